@@ -1,0 +1,329 @@
+"""CUDA autocast numerics on any device (DESIGN §3).
+
+Two pieces, used together:
+
+- :class:`CudaAutocastPolicy` re-registers the CPU autocast kernels through ``torch.library`` so that
+  ``torch.autocast("cpu", dtype)`` decides each op's dtype exactly as CUDA autocast does (layer_norm,
+  softmax, sum, exp, ... go to fp32; mv/addmv/addr/einsum go to the low-precision dtype; CPU-only policies
+  are removed). The registrations live in a ``torch.library.Library`` that is destroyed on exit, which
+  restores torch's own CPU kernels.
+- :class:`LowPrecisionGemmMode`, a ``TorchDispatchMode`` below autograd: GEMM-family ops (mm, addmm, bmm,
+  convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16 are computed
+  in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
+  accumulation, rounded output) and ~100x faster than CPU-native low-precision GEMMs. Other ops run
+  natively in their real dtype, so elementwise rounding is exact; an op with no Half/BFloat16 CPU kernel
+  is computed in fp32 and rounded.
+
+Known gaps, stated in every emulated audit: split-K reduced-precision reductions (allowed by default on
+CUDA), fp16-accumulation modes, truncating Tensor Core accumulation, and the exact tile order of sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from .autocast_policy import CUDA_POLICY, CastPolicy, check_registrations
+
+log = logging.getLogger(__name__)
+
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+KNOWN_GAPS: tuple[str, ...] = (
+    "split-K reduced-precision reductions (on by default on CUDA) are not emulated: partial sums are kept in fp32",
+    "Tensor Core accumulation order and truncation are modelled as one fp32 sum, rounded once",
+    "fp16-accumulation GEMM modes (allow_fp16_accumulation) are not emulated",
+)
+
+_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _eligible(t: Any) -> bool:
+    # CUDA autocast: defined, on the autocast device, floating point, not float64.
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == "cpu"
+
+
+def _cast_tree(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if _eligible(x) else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_tree(v, dtype) for v in x)
+    return x
+
+
+def _resolve(name: str) -> torch._ops.OpOverload | None:
+    base, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, base, None)
+    if packet is None:
+        return None
+    return getattr(packet, overload or "default", None)
+
+
+def _dtype_arg(op: torch._ops.OpOverload) -> tuple[int | None, bool]:
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == "dtype":
+            return i, a.kwarg_only
+    return None, False
+
+
+# Lower-precision ops that are one GEMM-like computation on Tensor Cores (low-precision inputs, fp32
+# accumulation, one rounding of the result). They are computed as fp32(round(inputs)) and rounded once,
+# which is exact up to summation order and ~100x faster on a CPU than native fp16/bf16 kernels. Autograd
+# sees the casts, so the gradient GEMMs run in fp32 and their results are rounded to the low-precision
+# dtype by the casts' backward, just as dgrad/wgrad outputs are on a GPU.
+FP32_COMPUTE_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "linear", "matmul", "einsum",
+    "linalg_vecdot", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
+    "conv_transpose3d.input", "convolution", "_convolution", "_convolution.deprecated", "cudnn_convolution",
+    "cudnn_convolution_transpose", "prelu", "scaled_dot_product_attention",
+})
+
+
+def _round_up(x: Any, dtype: torch.dtype) -> Any:
+    """Round eligible tensors to ``dtype`` and hand them on as float32 (exact: every value is an fp32 value)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype).to(torch.float32) if _eligible(x) else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_round_up(v, dtype) for v in x)
+    return x
+
+
+def _round_out(x: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, x)
+
+
+def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
+    if policy is CastPolicy.LOWER_PRECISION_FP and name in FP32_COMPUTE_OPS:
+        def kernel(*args, **kwargs):
+            dtype = torch.get_autocast_dtype("cpu")
+            args, kwargs = _round_up(args, dtype), {k: _round_up(v, dtype) for k, v in kwargs.items()}
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                return _round_out(op(*args, **kwargs), dtype)
+        return kernel
+    if policy is CastPolicy.LOWER_PRECISION_FP:
+        # RNN cells and multi-GEMM chains: native low precision, with their inner GEMMs emulated.
+        def kernel(*args, **kwargs):
+            dtype = torch.get_autocast_dtype("cpu")
+            args, kwargs = _cast_tree(args, dtype), {k: _cast_tree(v, dtype) for k, v in kwargs.items()}
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU), LowPrecisionGemmMode():
+                return op(*args, **kwargs)
+        return kernel
+    if policy is CastPolicy.FP32:
+        def kernel(*args, **kwargs):
+            args, kwargs = _cast_tree(args, torch.float32), {k: _cast_tree(v, torch.float32) for k, v in kwargs.items()}
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                return op(*args, **kwargs)
+        return kernel
+    if policy is CastPolicy.FP32_SET_OPT_DTYPE:
+        idx, kw_only = _dtype_arg(op)
+
+        def kernel(*args, **kwargs):
+            if args and _eligible(args[0]) and idx is not None:
+                if kw_only or len(args) <= idx:
+                    if kwargs.get("dtype") is None:
+                        kwargs = {**kwargs, "dtype": torch.float32}
+                elif args[idx] is None:
+                    args = (*args[:idx], torch.float32, *args[idx + 1:])
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                return op(*args, **kwargs)
+        return kernel
+    if policy is CastPolicy.FP32_APPEND_DTYPE:
+        # norm.Scalar -> norm.ScalarOpt_dtype; norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype (autocast_mode.cpp).
+        target = {"norm.Scalar": torch.ops.aten.norm.ScalarOpt_dtype,
+                  "norm.ScalarOpt_dim": torch.ops.aten.norm.ScalarOpt_dim_dtype}[name]
+
+        def kernel(*args, **kwargs):
+            if not (args and _eligible(args[0])):
+                with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                    return op(*args, **kwargs)
+            if name == "norm.Scalar":
+                p = args[1] if len(args) > 1 else kwargs.get("p", 2)
+                call_args: tuple = (args[0], p)
+            else:
+                call_args = tuple(args) + tuple(kwargs.values())
+                if len(call_args) < 4:
+                    call_args = (*call_args, False)
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                return target(*call_args, dtype=torch.float32)
+        return kernel
+    if policy is CastPolicy.PROMOTE:
+        def kernel(*args, **kwargs):
+            lower = torch.get_autocast_dtype("cpu")
+            widest = lower
+            for t in _flat_tensors((args, kwargs)):
+                if not _eligible(t):
+                    continue
+                if t.dtype == torch.float32:
+                    widest = torch.float32
+                elif t.dtype != lower:
+                    raise RuntimeError(f"Unexpected floating ScalarType in at::autocast::prioritize: {t.dtype}")
+            args, kwargs = _cast_tree(args, widest), {k: _cast_tree(v, widest) for k, v in kwargs.items()}
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                return op(*args, **kwargs)
+        return kernel
+    if policy is CastPolicy.BANNED:
+        def kernel(*args, **kwargs):
+            # The message CUDA autocast raises (autocast_mode.cpp, binary_cross_entropy_banned).
+            raise RuntimeError(
+                "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+                "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+                "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+                "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+                "safe to autocast."
+            )
+        return kernel
+    raise AssertionError(policy)
+
+
+def _flat_tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _flat_tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _flat_tensors(v)
+
+
+class CudaAutocastPolicy:
+    """While active, ``torch.autocast("cpu", dtype)`` follows CUDA autocast's op policies.
+
+    Example::
+
+        with CudaAutocastPolicy(), torch.autocast("cpu", dtype=torch.float16):
+            y = torch.nn.functional.layer_norm(x.half(), (64,))   # float32, as on CUDA
+    """
+
+    def __init__(self) -> None:
+        self._lib: torch.library.Library | None = None
+        self.unknown_ops, self.stale_ops = check_registrations()
+        self.skipped: list[str] = []
+
+    def __enter__(self) -> "CudaAutocastPolicy":
+        if self.unknown_ops:
+            log.warning("CUDA autocast registers ops this emulation's table lacks: %s", ", ".join(self.unknown_ops))
+        lib = torch.library.Library("aten", "IMPL")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for name, policy in CUDA_POLICY.items():
+                    op = _resolve(name)
+                    if op is None:
+                        self.skipped.append(name)
+                        continue
+                    lib.impl(name, _make_kernel(op, policy, name), "AutocastCPU")
+                cuda_names = set(CUDA_POLICY)
+                for reg in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
+                    name = reg.removeprefix("aten::")
+                    if reg.startswith("aten::") and name not in cuda_names:
+                        # A CPU-only autocast policy (cat/stack promote, fft in fp32, ...): CUDA has none.
+                        lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+        except BaseException:
+            lib._destroy()
+            raise
+        self._lib = lib
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._lib is not None:
+            self._lib._destroy()
+            self._lib = None
+
+
+_aten = torch.ops.aten
+
+# GEMM-family ops computed in fp32 and rounded when their floating inputs are all fp16 or all bf16.
+_GEMM_OPS = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.addbmm.default,
+    _aten.mv.default, _aten.addmv.default, _aten.addr.default, _aten.dot.default, _aten.vdot.default,
+    _aten._addmm_activation.default,
+    _aten.convolution.default, _aten.convolution_backward.default,
+    _aten._convolution.default,
+}
+# CPU flash attention: (index of the query argument, which outputs stay float32 on the native path).
+# Forward returns (out, logsumexp) with logsumexp in fp32; backward takes logsumexp (fp32) as an input.
+_SDPA_OPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: (0, (False, True)),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, (False, False, False)),
+}
+
+
+def _low_dtype_of(args: Any, kwargs: Any) -> torch.dtype | None:
+    dtype = None
+    for t in _flat_tensors((args, kwargs)):
+        if not t.is_floating_point():
+            continue
+        if t.dtype not in LOW_DTYPES:
+            return None
+        if dtype is None:
+            dtype = t.dtype
+        elif dtype != t.dtype:
+            return None
+    return dtype
+
+
+def _up(x: Any, dtype: torch.dtype) -> Any:
+    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t, x)
+
+
+class LowPrecisionGemmMode(TorchDispatchMode):
+    """Compute fp16/bf16 GEMMs, convolutions and CPU flash attention in fp32, rounding the results.
+
+    Keep it active through ``backward()`` so that the gradient GEMMs are emulated too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemm_calls = 0
+        self.fallback_ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _GEMM_OPS:
+            dtype = _low_dtype_of(args, kwargs)
+            if dtype is not None:
+                self.gemm_calls += 1
+                out = func(*_up(args, dtype), **_up(kwargs, dtype))
+                return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+        elif func in _SDPA_OPS:
+            q_index, keep32 = _SDPA_OPS[func]
+            dtype = args[q_index].dtype
+            if dtype in LOW_DTYPES:
+                self.gemm_calls += 1
+                out = func(*_up(args, dtype), **_up(kwargs, dtype))
+                return tuple(t if k32 else t.to(dtype) for t, k32 in zip(out, keep32))
+        try:
+            return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            if not is_missing_low_precision_kernel(e):
+                raise
+            dtype = torch.float16 if "'Half'" in str(e) else torch.bfloat16
+            self.fallback_ops.add(str(func))
+            out = func(*_up(args, dtype), **_up(kwargs, dtype))
+            return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out)
+
+
+def is_missing_low_precision_kernel(e: BaseException) -> bool:
+    """True for the error a CPU kernel without a Half/BFloat16 implementation raises."""
+    msg = str(e)
+    return isinstance(e, (NotImplementedError, RuntimeError)) and (
+        "not implemented for 'Half'" in msg or "not implemented for 'BFloat16'" in msg)
+
+
+@contextlib.contextmanager
+def emulated_autocast(dtype: torch.dtype, gemm_mode: LowPrecisionGemmMode | None = None) -> Iterator[None]:
+    """Forward pass under emulated CUDA autocast; requires an active :class:`CudaAutocastPolicy`.
+
+    ``gemm_mode`` (optional) also catches GEMMs on tensors that are already fp16/bf16 outside autocast's
+    reach and ops with no CPU Half/BFloat16 kernel; it costs a Python call per op, so it is used on demand.
+    """
+    with torch.autocast("cpu", dtype=dtype, cache_enabled=False), (gemm_mode or contextlib.nullcontext()):
+        yield

@@ -1,0 +1,98 @@
+"""Typed records the capture stage hands to analysis: one :class:`LayerRecord` per module that ran."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..formats import Format
+from .stats import ErrorStats, MagnitudeHistogram
+
+
+def float_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in a (nested) output, in a stable order."""
+    out: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif hasattr(x, "__dataclass_fields__"):
+            for k in x.__dataclass_fields__:
+                walk(getattr(x, k, None))
+
+    walk(obj)
+    return out
+
+
+@dataclass
+class FormatLayerStats:
+    """What one module did in one low-precision run."""
+
+    accumulated: ErrorStats = field(default_factory=ErrorStats)
+    local: ErrorStats | None = None
+    local_note: str | None = None  # why local error is not measured, when it is not
+    activation: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # outputs as computed in p
+    grad_output: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # dL/dy in p, times loss scale
+    grad_param_nonfinite: int = 0
+    output_dtypes: set[str] = field(default_factory=set)
+    calls: int = 0
+    unmatched_calls: int = 0  # calls with no reference counterpart (control flow differed)
+
+
+@dataclass
+class LayerRecord:
+    """One module (by its ``named_modules()`` path), its calls aggregated."""
+
+    name: str
+    type: str
+    depth: int
+    is_leaf: bool
+    param_count: int  # own parameters (not children's)
+    order: int  # position of its first call in the reference forward
+    calls: int = 0
+    computes: bool = False  # ran at least one compute op itself (not only through children)
+    own_ops: int = 0
+    output_shapes: list[list[int]] = field(default_factory=list)
+    activation: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # fp32 reference outputs
+    grad_output: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # fp32 reference dL/dy
+    grad_param: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # fp32 reference dL/dW
+    formats: dict[Format, FormatLayerStats] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunRecord:
+    """One whole forward+backward pass in one format."""
+
+    format: Format
+    loss: float | None = None
+    loss_scale: float = 1.0
+    output: ErrorStats | None = None  # the model output vs the fp32 reference (None for the reference)
+    output_nonfinite: int = 0
+    param_grads_nonfinite: int = 0
+    error: str | None = None  # the model raised in this format: the run is not measured
+    wall_s: float | None = None  # the instrumented pass, for progress only
+
+
+@dataclass
+class CaptureResult:
+    mode: str  # "cuda" | "emulated"
+    device: str
+    formats: tuple[Format, ...]
+    training: bool
+    layers: list[LayerRecord]
+    reference: RunRecord
+    runs: dict[Format, RunRecord]
+    grad_all: MagnitudeHistogram  # every gradient of the fp32 backward (module outputs and parameters)
+    step_times_s: dict[str, list[float]]  # clean (uninstrumented) steps, per format incl. "fp32"
+    emulation: dict[str, Any] | None
+    warnings: list[str] = field(default_factory=list)

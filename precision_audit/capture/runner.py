@@ -1,0 +1,532 @@
+"""The capture runs: an FP32 reference and one pass per low-precision format, forward and backward.
+
+The user's model is never touched: the session works on a deep copy and restores its parameters and
+buffers before every run, seeds every run identically (so dropout draws the same masks in every format),
+and restores the global RNG state when it ends.
+
+Per module call it streams statistics (never keeping whole tensors per layer and format, except the FP32
+outputs of the reference pass, which the low-precision passes are compared against):
+
+- reference pass: output magnitudes, dL/dy and dL/dW histograms, and the *local* error: each module that
+  computes is re-run alone under each format on its exact FP32 inputs;
+- format passes: the *accumulated* error of each output against the reference, the outputs' and
+  gradients' actual magnitudes and non-finite counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import ModelRunError, NumericsError
+from ..formats import LOW_PRECISION_DTYPES, Format
+from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast, is_missing_low_precision_kernel
+from .records import CaptureResult, FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .stats import ErrorStats, MagnitudeHistogram
+
+log = logging.getLogger(__name__)
+
+_aten = torch.ops.aten
+# Ops that move or relabel data without computing: they do not make a module "compute".
+_NON_COMPUTE = {
+    _aten.detach.default, _aten.alias.default, _aten.clone.default, _aten._to_copy.default, _aten.copy_.default,
+    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default, _aten.new_empty.default,
+    _aten.new_zeros.default, _aten.new_ones.default, _aten.lift_fresh.default, _aten._unsafe_view.default,
+    _aten.empty.memory_format, _aten.zeros.default, _aten.ones.default, _aten.arange.start, _aten.arange.default,
+    _aten.arange.start_step, _aten.full.default, _aten.scalar_tensor.default,
+}
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """How to run the capture.
+
+    ``mode`` is ``"cuda"`` (real ``torch.autocast("cuda")``) or ``"emulated"`` (CUDA autocast's policy and
+    Tensor Core rounding computed on any device). ``loss_scales`` maps a format to the loss scale its
+    backward uses (FP16 needs one; BF16 does not).
+    """
+
+    formats: tuple[Format, ...]
+    device: str = "cpu"
+    mode: str = "emulated"
+    seed: int = 0
+    timed_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("cuda", "emulated"):
+            raise ValueError(f"mode must be 'cuda' or 'emulated', got {self.mode!r}")
+        if self.mode == "cuda" and not self.device.startswith("cuda"):
+            raise ValueError("mode 'cuda' needs a cuda device")
+        for f in self.formats:
+            if f not in LOW_PRECISION_DTYPES:
+                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16)")
+        if self.timed_steps < 0:
+            raise ValueError("timed_steps must be >= 0")
+
+
+class _OpTracker(TorchDispatchMode):
+    """Counts compute ops per innermost module during the reference forward."""
+
+    def __init__(self, session: "CaptureSession") -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        s = self.session
+        if not s._rerunning and s._stack and not func.is_view and func not in _NON_COMPUTE:
+            s._own_ops[-1] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CaptureSession:
+    """Runs the model on its batch in FP32 and in each format, and gathers per-module records.
+
+    Example::
+
+        with CaptureSession(model, run_forward, loss_of, CaptureConfig((Format.BF16,))) as s:
+            s.reference_run()
+            s.format_run(Format.BF16)
+            result = s.result()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        forward: Callable[[torch.nn.Module], Any],
+        loss_of: Callable[[Any], torch.Tensor],
+        config: CaptureConfig,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._forward = forward
+        self._loss_of = loss_of
+        self._progress = progress or (lambda msg: None)
+        self.model = copy.deepcopy(model).to(config.device)
+        self.training = model.training
+        self._names = {id(m): n for n, m in self.model.named_modules()}
+        self._modules = {id(m): m for _, m in self.model.named_modules()}
+        self._initial = [t.detach().clone() for t in self._state_tensors()]
+        self.layers: dict[int, LayerRecord] = {}
+        self.grad_all = MagnitudeHistogram()
+        self.reference: RunRecord | None = None
+        self.runs: dict[Format, RunRecord] = {}
+        self.step_times: dict[str, list[float]] = {}
+        self.warnings: list[str] = []
+        # per-run state
+        self._phase: Format | str | None = None
+        self._stack: list[int] = []
+        self._own_ops: list[int] = []
+        self._pre_rng: list[Any] = []
+        self._rerunning = False
+        self._call_index: dict[int, int] = {}
+        self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
+        self._clone_cache: dict[int, tuple[int, torch.Tensor]] = {}
+        self._loss_scale = 1.0
+        self._hooks: list[Any] = []
+        self._exit = contextlib.ExitStack()
+        self._policy: CudaAutocastPolicy | None = None
+        self._gemm = LowPrecisionGemmMode()
+        # The dispatch mode costs a Python call per op; it is switched on only when the model hits a CPU
+        # kernel with no Half/BFloat16 implementation (then every later pass uses it).
+        self._use_gemm_mode = False
+
+    # -- context -------------------------------------------------------------------------------------
+    def __enter__(self) -> "CaptureSession":
+        es = self._exit
+        devices = [torch.device(self.config.device).index or 0] if self.config.mode == "cuda" else []
+        es.enter_context(torch.random.fork_rng(devices=devices))
+        if self.config.mode == "emulated":
+            self._policy = es.enter_context(CudaAutocastPolicy())
+        for m in self.model.modules():
+            self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._ref_outputs.clear()
+        self._clone_cache.clear()
+        self._exit.close()
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _state_tensors(self) -> list[torch.Tensor]:
+        seen: set[int] = set()
+        out = []
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        return out
+
+    def _reset(self) -> None:
+        with torch.no_grad():
+            for t, saved in zip(self._state_tensors(), self._initial):
+                t.copy_(saved)
+        for p in self.model.parameters():
+            p.grad = None
+        torch.manual_seed(self.config.seed)
+        if self.config.mode == "cuda":
+            torch.cuda.manual_seed_all(self.config.seed)
+        self._stack.clear()
+        self._own_ops.clear()
+        self._pre_rng.clear()
+        self._call_index.clear()
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state() if self.config.mode == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1])
+
+    @contextlib.contextmanager
+    def _autocast(self, fmt: Format) -> Iterator[None]:
+        dtype = LOW_PRECISION_DTYPES[fmt]
+        if self.config.mode == "cuda":
+            with torch.autocast("cuda", dtype=dtype):
+                yield
+        else:
+            with emulated_autocast(dtype, self._gemm if self._use_gemm_mode else None):
+                yield
+
+    @contextlib.contextmanager
+    def _backward_context(self) -> Iterator[None]:
+        if self.config.mode == "emulated" and self._use_gemm_mode:
+            with self._gemm:
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def _fp32_reference_switches(self) -> Iterator[None]:
+        """TF32 off for the FP32 reference on CUDA; the user's switches are restored afterwards."""
+        if self.config.mode != "cuda":
+            yield
+            return
+        old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+    def _layer(self, m: torch.nn.Module) -> LayerRecord:
+        rec = self.layers.get(id(m))
+        if rec is None:
+            name = self._names.get(id(m), "?")
+            rec = LayerRecord(
+                name=name,
+                type=type(m).__name__,
+                depth=0 if name == "" else name.count(".") + 1,
+                is_leaf=next(iter(m.children()), None) is None,
+                param_count=sum(p.numel() for p in m.parameters(recurse=False)),
+                order=len(self.layers),
+            )
+            self.layers[id(m)] = rec
+        return rec
+
+    def _clone_ref(self, t: torch.Tensor) -> torch.Tensor:
+        hit = self._clone_cache.get(id(t))
+        if hit is not None and hit[0] == t._version and hit[1].shape == t.shape:
+            return hit[1]
+        c = t.detach().clone()
+        self._clone_cache[id(t)] = (t._version, c)
+        return c
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _pre_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._phase is None or self._rerunning:
+            return
+        self._stack.append(id(m))
+        self._own_ops.append(0)
+        self._pre_rng.append(self._rng_state() if self._phase == "ref" else None)
+
+    def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._phase is None or self._rerunning:
+            return
+        if not self._stack or self._stack[-1] != id(m):
+            return  # a hook registered mid-call; ignore
+        self._stack.pop()
+        own_ops = self._own_ops.pop()
+        pre_rng = self._pre_rng.pop()
+        rec = self._layer(m)
+        ys = float_tensors(output)
+        if self._phase == "ref":
+            self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng)
+        else:
+            self._post_format(m, rec, ys)
+        for y in ys:
+            if y.requires_grad:
+                y.register_hook(self._grad_hook(rec))
+
+    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng) -> None:
+        rec.calls += 1
+        rec.own_ops += own_ops
+        if rec.calls == 1:
+            rec.output_shapes = [list(y.shape) for y in ys]
+        for y in ys:
+            rec.activation.update(y)
+        self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
+        computes = own_ops > 0
+        rec.computes = rec.computes or computes
+        for fmt in self.config.formats:
+            fs = rec.formats.setdefault(fmt, FormatLayerStats())
+            if rec.name == "":
+                fs.local_note = "the whole model: local error equals accumulated error (same inputs)"
+            elif not computes:
+                if fs.local is None:
+                    fs.local_note = ("no computation of its own" if rec.is_leaf
+                                     else "a container: its children's local errors are measured")
+        if computes and rec.name != "" and self.config.formats and ys:
+            self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+
+    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre_rng) -> None:
+        self._rerunning = True
+        now = self._rng_state()
+        buffer_names = [n for n, _ in m.named_buffers()]
+        try:
+            for fmt in self.config.formats:
+                fs = rec.formats[fmt]
+                self._set_rng_state(pre_rng)
+                try:
+                    try:
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
+                    except Exception as e:
+                        if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
+                            raise
+                        self._use_gemm_mode = True
+                        self._set_rng_state(pre_rng)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
+                except Exception as e:  # the module fails under autocast: reported, not fatal
+                    fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
+                    continue
+                ps = float_tensors(out)
+                if len(ps) != len(ys) or any(p.shape != y.shape for p, y in zip(ps, ys)):
+                    fs.local_note = "not measured: the re-run returned outputs of another structure"
+                    continue
+                if fs.local is None:
+                    fs.local = ErrorStats()
+                    fs.local_note = None
+                for y, p in zip(ys, ps):
+                    fs.local.update(y, p)
+        finally:
+            self._set_rng_state(now)
+            self._rerunning = False
+
+    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str]) -> Any:
+        # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
+        # the version of tensors the reference pass saved for its backward.
+        with torch.no_grad(), self._autocast(fmt):
+            if not buffer_names:
+                return m(*args, **kwargs)
+            buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}
+            return torch.func.functional_call(m, buffers, args, kwargs, strict=False)
+
+    def _post_format(self, m, rec: LayerRecord, ys) -> None:
+        fmt = self._phase
+        assert isinstance(fmt, Format)
+        fs = rec.formats.setdefault(fmt, FormatLayerStats())
+        fs.calls += 1
+        k = self._call_index.get(id(m), 0)
+        self._call_index[id(m)] = k + 1
+        for y in ys:
+            fs.activation.update(y)
+            fs.output_dtypes.add(str(y.dtype).removeprefix("torch."))
+        refs = self._ref_outputs.get(id(m), [])
+        if k >= len(refs) or len(refs[k]) != len(ys) or any(r.shape != y.shape for r, y in zip(refs[k], ys)):
+            fs.unmatched_calls += 1
+            return
+        for r, y in zip(refs[k], ys):
+            fs.accumulated.update(r, y)
+
+    def _grad_hook(self, rec: LayerRecord):
+        phase = self._phase
+
+        def hook(g: torch.Tensor) -> None:
+            if g is None:
+                return
+            if phase == "ref":
+                rec.grad_output.update(g)
+                self.grad_all.update(g)
+            elif isinstance(phase, Format):
+                rec.formats[phase].grad_output.update(g)
+        return hook
+
+    # -- runs ----------------------------------------------------------------------------------------
+    def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
+        """One forward (under autocast for a format) and the loss; errors name the module that raised."""
+        try:
+            if fmt is None:
+                with self._fp32_reference_switches(), _OpTracker(self):
+                    out = self._forward(self.model)
+                    loss = self._loss_of(out)
+            else:
+                with self._autocast(fmt):
+                    out = self._forward(self.model)
+                    loss = self._loss_of(out)
+        except Exception as e:
+            where = self._names.get(self._stack[-1], "?") if self._stack else None
+            self._stack.clear()
+            raise _RunFailure(e, where) from e
+        return out, loss
+
+    def reference_run(self) -> RunRecord:
+        """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
+        self._reset()
+        self._phase = "ref"
+        t0 = time.perf_counter()
+        try:
+            try:
+                out, loss = self._run(None)
+            except _RunFailure as f:
+                raise ModelRunError(
+                    f"the model raised {type(f.error).__name__} in its FP32 forward pass: {f.error}",
+                    found=f"in module '{f.where or '(model)'}'" if f.where is not None else None,
+                    hint="check that the batch matches what the model's forward expects",
+                ) from f.error
+            lval = float(loss.detach().float())
+            outs = float_tensors(out)
+            bad = sum(int((~torch.isfinite(y)).sum()) for y in outs)
+            if bad or not torch.isfinite(loss.detach()).item():
+                raise NumericsError(
+                    "the FP32 reference is already not finite, so there is nothing to compare low precision against",
+                    found=f"loss = {lval}, {bad} non-finite output element(s)",
+                    hint="fix the model or the batch in FP32 first (check for NaN weights or inputs, log of 0, ...)",
+                )
+            self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
+            with self._fp32_reference_switches():
+                loss.backward()
+        finally:
+            self._phase = None
+        # parameter gradients, attributed to the module that owns each parameter
+        seen: set[int] = set()
+        for mid, rec in self.layers.items():
+            for p in self._modules[mid].parameters(recurse=False):
+                if id(p) in seen or p.grad is None:
+                    continue
+                seen.add(id(p))
+                rec.grad_param.update(p.grad)
+                self.grad_all.update(p.grad)
+        self._clone_cache.clear()
+        self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
+        return self.reference
+
+    def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
+        """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""
+        self._reset()
+        self._phase = fmt
+        run = RunRecord(format=fmt, loss_scale=loss_scale)
+        t0 = time.perf_counter()
+        try:
+            out, loss = self._run(fmt)
+            run.loss = float(loss.detach().float())
+            self._phase = None
+            # grads are recorded per layer through the hooks registered during the forward
+            with self._backward_context():
+                (loss.float() * loss_scale).backward()
+        except _RunFailure as f:
+            self._phase = None
+            if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
+                # A CPU kernel has no fp16/bf16 version: redo the pass with the fp32-fallback dispatch mode on.
+                self._use_gemm_mode = True
+                for rec in self.layers.values():
+                    if fmt in rec.formats:
+                        old = rec.formats[fmt]
+                        rec.formats[fmt] = FormatLayerStats(local=old.local, local_note=old.local_note)
+                return self.format_run(fmt, loss_scale)
+            run.error = f"{type(f.error).__name__}: {f.error}" + (f" (in module '{f.where}')" if f.where else "")
+        finally:
+            self._phase = None
+        root = self.layers.get(id(self.model))
+        if root is not None and fmt in root.formats:
+            run.output = root.formats[fmt].accumulated
+            run.output_nonfinite = run.output.nonfinite
+        for mid, rec in self.layers.items():
+            fs = rec.formats.setdefault(fmt, FormatLayerStats())
+            for p in self._modules[mid].parameters(recurse=False):
+                if p.grad is not None:
+                    fs.grad_param_nonfinite += int((~torch.isfinite(p.grad)).sum())
+        run.param_grads_nonfinite = sum(int((~torch.isfinite(p.grad)).sum())
+                                        for p in self.model.parameters() if p.grad is not None)
+        if root is not None and fmt in root.formats and root.formats[fmt].local is None:
+            root.formats[fmt].local = copy.deepcopy(root.formats[fmt].accumulated)
+        run.wall_s = time.perf_counter() - t0
+        self.runs[fmt] = run
+        return run
+
+    def timed_steps(self, steps: int) -> dict[str, list[float]]:
+        """Clean forward+backward steps (hooks idle) per format, timed on this machine's device."""
+        for fmt in (None, *self.config.formats):
+            key = "fp32" if fmt is None else fmt.value
+            if fmt is not None and self.runs.get(fmt) and self.runs[fmt].error:
+                continue
+            times = []
+            for _ in range(steps):
+                self._reset()
+                self._sync()
+                t0 = time.perf_counter()
+                if fmt is None:
+                    with self._fp32_reference_switches():
+                        loss = self._loss_of(self._forward(self.model))
+                        loss.backward()
+                else:
+                    with self._autocast(fmt):
+                        loss = self._loss_of(self._forward(self.model))
+                    with self._backward_context():
+                        loss.float().backward()
+                self._sync()
+                times.append(time.perf_counter() - t0)
+            self.step_times[key] = times
+        self._reset()
+        return self.step_times
+
+    def _sync(self) -> None:
+        if self.config.mode == "cuda":
+            torch.cuda.synchronize()
+
+    def result(self) -> CaptureResult:
+        assert self.reference is not None, "reference_run() first"
+        layers = sorted(self.layers.values(), key=lambda r: r.order)
+        emulation = None
+        if self._policy is not None:
+            emulation = {
+                "autocast_policy": "CUDA autocast op table, torch 2.13 (aten/src/ATen/autocast_mode.h)",
+                "unknown_cuda_autocast_ops": list(self._policy.unknown_ops),
+                "table_ops_not_registered": list(self._policy.stale_ops),
+                "gemm_calls_emulated": self._gemm.gemm_calls,
+                "fp32_fallback_ops": sorted(self._gemm.fallback_ops),
+                "known_gaps": list(KNOWN_GAPS),
+            }
+        return CaptureResult(
+            mode=self.config.mode,
+            device=self.config.device,
+            formats=self.config.formats,
+            training=self.training,
+            layers=layers,
+            reference=self.reference,
+            runs=dict(self.runs),
+            grad_all=self.grad_all,
+            step_times_s=dict(self.step_times),
+            emulation=emulation,
+            warnings=list(self.warnings),
+        )
+
+
+class _RunFailure(Exception):
+    def __init__(self, error: BaseException, where: str | None) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.where = where

@@ -1,0 +1,231 @@
+"""Streamed tensor statistics: exact range counts and error sums, updated call by call.
+
+Nothing here keeps a tensor. A :class:`MagnitudeHistogram` counts |x| into buckets whose edges include
+every rounding threshold of every range format, at every power-of-two loss scale the audit considers,
+so "what fraction would flush to zero in FP16 at loss scale 2^k" is an exact count, not an estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from ..formats import RANGE_FORMATS, SPECS, Format
+
+# Loss scales 2^k considered for FP16 gradients. GradScaler starts at 2^16; models that overflow back off
+# below 1, and tiny gradients may want up to 2^40.
+SCALE_EXPONENTS: tuple[int, ...] = tuple(range(-24, 49))
+
+
+def _thresholds(fmt: Format) -> tuple[float, float, float]:
+    s = SPECS[fmt]
+    return s.zero_below, s.normal_from, s.overflow_from
+
+
+@lru_cache(maxsize=None)
+def _boundary_list() -> tuple[float, ...]:
+    edges: set[float] = set()
+    # Powers of two give the exponent histogram (for charts and percentiles).
+    for e in range(-149, 128):
+        edges.add(math.ldexp(1.0, e))
+    for fmt in RANGE_FORMATS:
+        edges.update(_thresholds(fmt))
+    # FP16 gradient thresholds at every candidate loss scale S = 2^k: |g| * S crosses t  <=>  |g| crosses t / S.
+    for k in SCALE_EXPONENTS:
+        for t in _thresholds(Format.FP16):
+            edges.add(math.ldexp(t, -k))
+    # Every edge must be an exact float32 so comparisons against float32 data are exact.
+    as32 = torch.tensor(sorted(edges), dtype=torch.float64).to(torch.float32)
+    return tuple(sorted(set(float(v) for v in as32.tolist() if v > 0)))
+
+
+@lru_cache(maxsize=None)
+def boundaries(device: str = "cpu") -> torch.Tensor:
+    return torch.tensor(_boundary_list(), dtype=torch.float32, device=device)
+
+
+@lru_cache(maxsize=None)
+def _edge_index() -> dict[float, int]:
+    return {v: i for i, v in enumerate(_boundary_list())}
+
+
+@dataclass
+class MagnitudeHistogram:
+    """Exact counts of |x| between consecutive edges of :func:`boundaries`, plus special values.
+
+    ``counts[i]`` holds finite non-zero values with ``edge[i-1] <= |x| < edge[i]`` (``counts[0]``: below the
+    first edge). Zeros, NaNs and infs are counted apart.
+    """
+
+    counts: torch.Tensor = field(default_factory=lambda: torch.zeros(len(_boundary_list()) + 1, dtype=torch.int64))
+    total: int = 0
+    zeros: int = 0
+    nans: int = 0
+    infs: int = 0
+    amax: float = 0.0  # largest finite |x|
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach()
+        if x.numel() == 0:
+            return
+        a = x.abs().flatten()
+        if a.dtype != torch.float32:
+            a = a.float()  # exact: every fp16/bf16/fp8 value is a float32 value; fp64 beyond fp32 range is rare
+        self.total += a.numel()
+        finite = torch.isfinite(a)
+        n_finite = int(finite.sum())
+        if n_finite != a.numel():
+            self.nans += int(torch.isnan(a).sum())
+            self.infs += int(torch.isinf(a).sum())
+            a = a[finite]
+        if a.numel() == 0:
+            return
+        nz = a[a != 0]
+        self.zeros += a.numel() - nz.numel()
+        if nz.numel() == 0:
+            return
+        self.amax = max(self.amax, float(nz.max()))
+        idx = torch.bucketize(nz, boundaries(str(nz.device)), right=True)
+        self.counts += torch.bincount(idx, minlength=self.counts.numel()).cpu()
+
+    def merge(self, other: "MagnitudeHistogram") -> None:
+        self.counts += other.counts
+        self.total += other.total
+        self.zeros += other.zeros
+        self.nans += other.nans
+        self.infs += other.infs
+        self.amax = max(self.amax, other.amax)
+
+    @property
+    def nonzero_finite(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nans + self.infs
+
+    def count_below(self, t: float) -> int:
+        """Non-zero finite values with |x| < t; t must be one of the histogram's edges."""
+        i = _edge_index().get(t)
+        if i is None:
+            raise ValueError(f"{t!r} is not a histogram edge; only exact rounding thresholds are counted")
+        return int(self.counts[: i + 1].sum())
+
+    def count_at_or_above(self, t: float) -> int:
+        return self.nonzero_finite - self.count_below(t)
+
+    def fractions(self, fmt: Format, scale_exponent: int = 0) -> dict[str, float]:
+        """Shares of the non-zero finite values that, multiplied by 2^scale_exponent and stored in ``fmt``,
+        flush to zero, land in the subnormal range, or overflow. Denominator: non-zero finite values."""
+        n = self.nonzero_finite
+        if n == 0:
+            return {"flushed": 0.0, "subnormal": 0.0, "overflow": 0.0}
+        zb, nf, of = (math.ldexp(t, -scale_exponent) for t in _thresholds(fmt))
+        below_zero = self.count_below(_as_edge(zb))
+        below_normal = self.count_below(_as_edge(nf))
+        overflow = self.count_at_or_above(_as_edge(of))
+        return {
+            "flushed": below_zero / n,
+            "subnormal": (below_normal - below_zero) / n,
+            "overflow": overflow / n,
+        }
+
+    def quantile_bounds(self, q: float) -> float:
+        """An upper bound (a bucket's upper edge) on the q-quantile of the non-zero finite |x|."""
+        n = self.nonzero_finite
+        if n == 0:
+            return 0.0
+        target = q * n
+        csum = torch.cumsum(self.counts, 0)
+        i = int(torch.searchsorted(csum, torch.tensor(target, dtype=csum.dtype).ceil().to(csum.dtype)))
+        edges = _boundary_list()
+        return edges[min(i, len(edges) - 1)]
+
+    def exponent_histogram(self) -> dict[int, int]:
+        """Counts by binary exponent e, for values with 2^e <= |x| < 2^(e+1) (for charts)."""
+        edges = _boundary_list()
+        out: dict[int, int] = {}
+        nz = torch.nonzero(self.counts).flatten().tolist()
+        for i in nz:
+            lower = edges[i - 1] if i > 0 else 0.0
+            e = math.floor(math.log2(lower)) if lower > 0 else -150
+            out[e] = out.get(e, 0) + int(self.counts[i])
+        return out
+
+
+def _as_edge(t: float) -> float:
+    """The float32 value of t, which is how it is stored in the edge list."""
+    return float(torch.tensor(t, dtype=torch.float32))
+
+
+@dataclass
+class ErrorStats:
+    """Sums for error metrics of y_p against the reference y, accumulated in float64 over calls."""
+
+    n: int = 0
+    sum_ref2: float = 0.0
+    sum_diff2: float = 0.0
+    sum_dot: float = 0.0
+    sum_p2: float = 0.0
+    max_abs: float = 0.0
+    nonfinite: int = 0  # non-finite elements in y_p where y is finite
+
+    def update(self, ref: torch.Tensor, p: torch.Tensor) -> None:
+        ref = ref.detach().to(torch.float64)
+        p = p.detach().to(ref.device, torch.float64)
+        if ref.shape != p.shape:
+            raise ValueError(f"shape mismatch {tuple(ref.shape)} vs {tuple(p.shape)}")
+        self.n += ref.numel()
+        bad = ~torch.isfinite(p)
+        if bool(bad.any()):
+            self.nonfinite += int(bad.sum())
+        diff = p - ref
+        self.sum_ref2 += float((ref * ref).sum())
+        self.sum_diff2 += float((diff * diff).sum())
+        self.sum_dot += float((ref * p).sum())
+        self.sum_p2 += float((p * p).sum())
+        if ref.numel():
+            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+
+    def merge(self, o: "ErrorStats") -> None:
+        self.n += o.n
+        self.sum_ref2 += o.sum_ref2
+        self.sum_diff2 += o.sum_diff2
+        self.sum_dot += o.sum_dot
+        self.sum_p2 += o.sum_p2
+        self.max_abs = max(self.max_abs, o.max_abs)
+        self.nonfinite += o.nonfinite
+
+    @property
+    def rel_l2(self) -> float:
+        if self.nonfinite:
+            return math.inf
+        if self.sum_ref2 == 0:
+            return 0.0 if self.sum_diff2 == 0 else math.inf
+        return math.sqrt(self.sum_diff2 / self.sum_ref2)
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.nonfinite:
+            return -math.inf
+        if self.sum_diff2 == 0:
+            return math.inf
+        if self.sum_ref2 == 0:
+            return -math.inf
+        return 10.0 * math.log10(self.sum_ref2 / self.sum_diff2)
+
+    @property
+    def cosine(self) -> float:
+        if self.nonfinite:
+            return math.nan
+        den = math.sqrt(self.sum_ref2 * self.sum_p2)
+        if den == 0:
+            return 1.0 if self.sum_ref2 == self.sum_p2 else 0.0
+        return self.sum_dot / den
+
+    def metrics(self) -> dict[str, float]:
+        return {"rel_l2": self.rel_l2, "sqnr_db": self.sqnr_db, "max_abs": self.max_abs if not self.nonfinite else math.inf,
+                "cosine": self.cosine, "nonfinite": self.nonfinite, "elements": self.n}

@@ -1,0 +1,84 @@
+"""User-facing errors.
+
+Every mistake a user can make (a bad path, a batch the model rejects, an unknown option) raises an
+:class:`AuditError` subclass. The CLI prints its message and exits with code 2, without a traceback.
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class AuditError(Exception):
+    """A problem with the user's input, explained: what was expected, what was found, how to fix it.
+
+    Example::
+
+        raise BatchError("the batch file could not be read",
+                         expected="a file written by torch.save", found="a text file",
+                         hint="save the batch with torch.save(batch, 'sample.pt')")
+    """
+
+    exit_code = 2
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        expected: str | None = None,
+        found: str | None = None,
+        choices: Iterable[str] | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.problem = problem
+        self.expected = expected
+        self.found = found
+        self.choices = tuple(choices) if choices is not None else None
+        self.hint = hint
+        super().__init__(self.message)
+
+    @property
+    def message(self) -> str:
+        lines = [self.problem]
+        if self.expected:
+            lines.append(f"  expected: {self.expected}")
+        if self.found:
+            lines.append(f"  found:    {self.found}")
+        if self.choices:
+            lines.append(f"  valid choices: {', '.join(self.choices)}")
+        if self.hint:
+            lines.append(f"  fix: {self.hint}")
+        return "\n".join(lines)
+
+
+class ModelLoadError(AuditError):
+    """The model file or factory could not be turned into an ``nn.Module``."""
+
+
+class BatchError(AuditError):
+    """The sample batch is missing, unreadable, or not something the model accepts."""
+
+
+class LossError(AuditError):
+    """No usable loss could be computed from the model's output."""
+
+
+class OptionError(AuditError):
+    """A command-line or API option has a value outside its allowed set."""
+
+
+class ModelRunError(AuditError):
+    """The user's model raised while the audit ran it (its own error, with the module it happened in)."""
+
+
+class NumericsError(AuditError):
+    """The FP32 reference itself is not finite, so nothing can be compared against it."""
+
+
+class PolicyError(AuditError):
+    """A policy file is malformed, of an unknown version, or made for another model."""
+
+
+class OutputError(AuditError):
+    """The output directory cannot be written."""
