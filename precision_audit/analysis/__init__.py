@@ -1,0 +1,1 @@
+"""Analysis: turn captured statistics into findings (error metrics, ranges, loss scale)."""

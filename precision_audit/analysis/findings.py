@@ -1,0 +1,220 @@
+"""Per-layer and per-format findings derived from the capture records.
+
+Everything here is a pure function of :class:`~precision_audit.capture.records.CaptureResult`; nothing runs
+the model. Non-finite metric values stay ``inf``/``nan`` in these records and become ``null`` in JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..capture.records import CaptureResult, LayerRecord, RunRecord
+from ..capture.stats import ErrorStats, MagnitudeHistogram
+from ..formats import RANGE_FORMATS, Format, headroom_bits
+from .loss_scale import LossScaleFinding, recommend_loss_scale
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The error budget a format must meet to count as safe, relative to FP32.
+
+    ``max_loss_rel_change``: |L_p - L_fp32| / |L_fp32|; ``max_output_rel_error``: relative L2 error of the
+    model's output.
+    """
+
+    max_loss_rel_change: float = 1e-2
+    max_output_rel_error: float = 5e-2
+
+    def __post_init__(self) -> None:
+        for name in ("max_loss_rel_change", "max_output_rel_error"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"Budget.{name} must be a positive finite number, got {v!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"max_loss_rel_change": self.max_loss_rel_change, "max_output_rel_error": self.max_output_rel_error}
+
+
+@dataclass(frozen=True)
+class RangeFinding:
+    """Magnitudes of one kind of tensor (outputs, or gradients) and what each format makes of them."""
+
+    amax: float
+    elements: int
+    zeros: int
+    nonfinite: int
+    headroom_bits: dict[str, float | None]
+    fractions: dict[str, dict[str, float]]  # format -> flushed / subnormal / overflow
+    exponent_histogram: dict[int, int]
+
+    @classmethod
+    def of(cls, h: MagnitudeHistogram, formats: tuple[Format, ...] = RANGE_FORMATS, scale_exponent: int = 0) -> "RangeFinding":
+        return cls(
+            amax=h.amax,
+            elements=h.total,
+            zeros=h.zeros,
+            nonfinite=h.nonfinite,
+            headroom_bits={f.value: headroom_bits(f, h.amax) for f in formats},
+            fractions={f.value: h.fractions(f, scale_exponent) for f in formats},
+            exponent_histogram=h.exponent_histogram(),
+        )
+
+    def overflows(self, fmt: Format) -> bool:
+        return self.fractions.get(fmt.value, {}).get("overflow", 0.0) > 0
+
+
+@dataclass(frozen=True)
+class GradientFinding:
+    """FP16 view of a module's gradients (w.r.t. its outputs, and w.r.t. its own parameters)."""
+
+    output_amax: float
+    output_fp16_unscaled: dict[str, float]
+    output_fp16_at_recommended: dict[str, float] | None
+    param_amax: float | None
+    param_fp16_unscaled: dict[str, float] | None
+    param_fp16_at_recommended: dict[str, float] | None
+    output_exponent_histogram: dict[int, int]
+    nonfinite: dict[str, int]  # per format: non-finite elements in the format run's gradients
+
+
+@dataclass
+class FormatError:
+    local: ErrorStats | None
+    local_note: str | None
+    accumulated: ErrorStats
+    output_dtypes: list[str]
+    activation_amax: float
+    activation_nonfinite: int
+    unmatched_calls: int
+
+
+@dataclass
+class LayerFinding:
+    name: str
+    type: str
+    depth: int
+    is_leaf: bool
+    computes: bool
+    calls: int
+    param_count: int
+    output_shapes: list[list[int]]
+    errors: dict[Format, FormatError]
+    activation: RangeFinding
+    gradient: GradientFinding
+    notes: list[str] = field(default_factory=list)
+
+    def overflows(self, fmt: Format) -> bool:
+        """The FP32 outputs of this module do not fit ``fmt``, or its low-precision re-run was not finite."""
+        err = self.errors.get(fmt)
+        return self.activation.overflows(fmt) or bool(err and err.local and err.local.nonfinite)
+
+
+@dataclass(frozen=True)
+class FormatSummary:
+    format: Format
+    loss: float | None
+    loss_rel_change: float | None
+    output: ErrorStats | None
+    output_nonfinite: int
+    param_grads_nonfinite: int
+    loss_scale: float
+    error: str | None
+    safe: bool
+    verdict: str
+
+
+@dataclass
+class Analysis:
+    layers: list[LayerFinding]
+    summaries: dict[Format, FormatSummary]
+    loss_scale: LossScaleFinding | None
+    budget: Budget
+    reference_loss: float
+
+
+def _grad_fracs(h: MagnitudeHistogram, k: int | None) -> dict[str, float] | None:
+    if k is None or h.total == 0:
+        return None
+    return h.fractions(Format.FP16, k)
+
+
+def analyse(capture: CaptureResult, budget: Budget) -> Analysis:
+    """Derive findings from a finished capture."""
+    forward_overflow = None
+    fp16_layers = [r for r in capture.layers if r.name and r.activation.fractions(Format.FP16)["overflow"] > 0]
+    if Format.FP16 in capture.formats and fp16_layers:
+        forward_overflow = fp16_layers[0].name
+    ls = recommend_loss_scale(capture.grad_all, forward_overflow) if Format.FP16 in capture.formats else None
+    k_rec = ls.recommended_exponent if ls else None
+
+    layers = [_layer(r, capture, k_rec) for r in capture.layers]
+    ref = capture.reference.loss or 0.0
+    summaries = {f: _summary(capture.runs[f], ref, budget) for f in capture.formats if f in capture.runs}
+    return Analysis(layers=layers, summaries=summaries, loss_scale=ls, budget=budget, reference_loss=ref)
+
+
+def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFinding:
+    errors = {}
+    for f, fs in r.formats.items():
+        errors[f] = FormatError(
+            local=fs.local, local_note=fs.local_note, accumulated=fs.accumulated,
+            output_dtypes=sorted(fs.output_dtypes), activation_amax=fs.activation.amax,
+            activation_nonfinite=fs.activation.nonfinite, unmatched_calls=fs.unmatched_calls,
+        )
+    has_params = r.grad_param.total > 0
+    grad = GradientFinding(
+        output_amax=r.grad_output.amax,
+        output_fp16_unscaled=r.grad_output.fractions(Format.FP16, 0),
+        output_fp16_at_recommended=_grad_fracs(r.grad_output, k_rec),
+        param_amax=r.grad_param.amax if has_params else None,
+        param_fp16_unscaled=r.grad_param.fractions(Format.FP16, 0) if has_params else None,
+        param_fp16_at_recommended=_grad_fracs(r.grad_param, k_rec) if has_params else None,
+        output_exponent_histogram=r.grad_output.exponent_histogram(),
+        nonfinite={f.value: fs.grad_output.nonfinite + fs.grad_param_nonfinite for f, fs in r.formats.items()},
+    )
+    notes = list(r.notes)
+    for f, e in errors.items():
+        if e.unmatched_calls:
+            notes.append(f"{e.unmatched_calls} call(s) in the {f} run had no FP32 counterpart (control flow differed)")
+    return LayerFinding(
+        name=r.name, type=r.type, depth=r.depth, is_leaf=r.is_leaf, computes=r.computes, calls=r.calls,
+        param_count=r.param_count, output_shapes=r.output_shapes, errors=errors,
+        activation=RangeFinding.of(r.activation), gradient=grad, notes=notes,
+    )
+
+
+def _summary(run: RunRecord, ref_loss: float, budget: Budget) -> FormatSummary:
+    fmt = run.format
+    if run.error:
+        return FormatSummary(fmt, None, None, None, 0, 0, run.loss_scale, run.error, False,
+                             f"not measured: the model raised under {fmt} autocast: {run.error}")
+    loss_change = None
+    if run.loss is not None and math.isfinite(run.loss):
+        loss_change = abs(run.loss - ref_loss) / abs(ref_loss) if ref_loss else abs(run.loss)
+    out = run.output
+    out_err = out.rel_l2 if out else math.inf
+    finite = run.loss is not None and math.isfinite(run.loss) and run.output_nonfinite == 0
+    problems = []
+    if not finite:
+        problems.append(f"the loss or the output is not finite ({run.output_nonfinite} non-finite output element(s))")
+    else:
+        if loss_change is not None and loss_change > budget.max_loss_rel_change:
+            problems.append(f"loss changes by {loss_change:.2e} > budget {budget.max_loss_rel_change:g}")
+        if out_err > budget.max_output_rel_error:
+            problems.append(f"output error {out_err:.2e} > budget {budget.max_output_rel_error:g}")
+    if run.param_grads_nonfinite:
+        problems.append(f"{run.param_grads_nonfinite} non-finite parameter gradient element(s) at loss scale {run.loss_scale:g}")
+    safe = not problems
+    verdict = (f"safe as is: loss change {loss_change:.2e}, output error {out_err:.2e}" if safe
+               else "unsafe as is: " + "; ".join(problems))
+    return FormatSummary(fmt, run.loss, loss_change, out, run.output_nonfinite, run.param_grads_nonfinite,
+                         run.loss_scale, None, safe, verdict)
+
+
+def finite_or_none(x: Any) -> Any:
+    """JSON edge helper: inf/nan become None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x

@@ -1,0 +1,286 @@
+"""The one straight-line pipeline: load -> hardware & target -> capture -> analysis -> plan -> outputs.
+
+Only this module sees every stage. Example::
+
+    from precision_audit import AuditOptions, run_audit
+    result = run_audit(AuditOptions(model="sample_models/mlp/model.py", batch="sample_models/mlp/sample.pt"))
+    result.exit_code, result.files
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import math
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .analysis.findings import Analysis, Budget, analyse
+from .analysis.loss_scale import recommend_loss_scale
+from .capture.runner import CaptureConfig, CaptureSession
+from .errors import AuditError, OptionError
+from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
+from .gpus import GpuSpec, resolve_target
+from .hardware import HardwareInfo, default_target, detect
+from .loading import Batch, LossSpec, load_batch, load_model, output_structure, resolve_loss
+from .outputs import check_out_dir, write_files
+from .planning.rules import Plan, make_plan
+from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint
+from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, clean, layer_dict, summary_dict
+
+log = logging.getLogger(__name__)
+
+NOT_MEASURED = {
+    "alignment": "not measured: Tensor Core alignment analysis is not built yet in this version",
+    "cost": "not measured: the target cost model is not built yet in this version",
+}
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """Everything the command line can set. ``formats=None`` means every capturable format the target supports."""
+
+    model: str
+    batch: str | None = None
+    out: Path = Path("audit")
+    target: str | None = None
+    formats: tuple[Format, ...] | None = None
+    device: str = "auto"
+    emulate: bool = False
+    steps: int = 1
+    seed: int = 0
+    budget: Budget = field(default_factory=Budget)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise OptionError(f"unknown --device {self.device!r}", choices=("auto", "cuda", "cpu"))
+        if not isinstance(self.steps, int) or self.steps < 0:
+            raise OptionError("--steps must be a whole number >= 0", found=repr(self.steps))
+
+
+@dataclass
+class AuditResult:
+    audit: dict[str, Any]
+    policy: Policy
+    html: str
+    exit_code: int
+    files: list[Path]
+    analysis: Analysis
+    plan: Plan
+
+
+Progress = Callable[[str], None]
+
+
+def _resolve_device(opts: AuditOptions, hw: HardwareInfo) -> tuple[str, str]:
+    if opts.device == "cuda" and not hw.cuda_available:
+        raise OptionError("--device cuda was asked for, but torch sees no CUDA GPU",
+                          found=f"torch {hw.torch_version}, CUDA build: {hw.cuda_version or 'no'}",
+                          hint="use --device cpu (numerics are emulated faithfully), or install a CUDA build of torch")
+    device = "cuda" if (opts.device == "cuda" or (opts.device == "auto" and hw.cuda_available)) else "cpu"
+    mode = "cuda" if device == "cuda" and not opts.emulate else "emulated"
+    return device, mode
+
+
+def _select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, ...], list[dict[str, str]]]:
+    requested = opts.formats or (Format.FP16, Format.BF16)
+    chosen, skipped = [], []
+    for f in requested:
+        if f is Format.FP32:
+            continue  # the reference always runs
+        if f not in CAPTURE_FORMATS:
+            skipped.append({"format": f.value, "reason": f"not measured: {f} runs are not built yet in this version"})
+        elif not target.supports(f.value):
+            skipped.append({"format": f.value,
+                            "reason": f"not a candidate: {target.name} (compute capability {target.cc_string}) "
+                                      f"has no {f} Tensor Cores"})
+        else:
+            chosen.append(f)
+    if not chosen and opts.formats:
+        raise OptionError(
+            f"none of the formats asked for can be audited on {target.name}",
+            found=", ".join(f"{s['format']} ({s['reason']})" for s in skipped),
+            choices=[f.value for f in CAPTURE_FORMATS if target.supports(f.value)],
+            hint="drop --formats, or pick another --target",
+        )
+    return tuple(chosen), skipped
+
+
+def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResult:
+    """Run the whole audit and write report.html, policy.json and audit.json into ``opts.out``."""
+    say = progress or (lambda msg: None)
+    check_out_dir(opts.out)
+
+    say("loading the model and the batch")
+    model, source = load_model(opts.model)
+    batch = load_batch(opts.batch, model, source)
+
+    hw = detect()
+    if opts.target:
+        target, target_reason = resolve_target(opts.target), "chosen with --target"
+    else:
+        target, target_reason = default_target(hw)
+    formats, skipped = _select_formats(opts, target)
+    device, mode = _resolve_device(opts, hw)
+    say(f"target {target.name} ({target_reason}); {mode} mode on {device}; formats: "
+        f"{', '.join(f.value for f in formats) or 'none'}")
+
+    run_batch = batch.to(device)
+    loss_box: dict[str, LossSpec] = {}
+    structures: list[str] = []
+
+    def forward(m: torch.nn.Module) -> Any:
+        out = m(*run_batch.args, **run_batch.kwargs)
+        structures.append(output_structure(out))
+        return out
+
+    def loss_of(out: Any) -> torch.Tensor:
+        if "spec" not in loss_box:
+            loss_box["spec"] = resolve_loss(source, out, run_batch)
+        return loss_box["spec"](out, run_batch)
+
+    config = CaptureConfig(formats=formats, device=device, mode=mode, seed=opts.seed, timed_steps=opts.steps)
+    with CaptureSession(model, forward, loss_of, config, progress=say) as session:
+        say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
+        session.reference_run()
+        fp16_scale = 1.0
+        if Format.FP16 in formats:
+            overflow = next((r.name for r in session.layers.values() if r.name and
+                             r.activation.fractions(Format.FP16)["overflow"] > 0), None)
+            ls = recommend_loss_scale(session.grad_all, overflow)
+            fp16_scale = ls.recommended_scale or 1.0
+        for f in formats:
+            say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
+            session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
+        if opts.steps:
+            say(f"timing {opts.steps} clean step(s) per format on {device}")
+            session.timed_steps(opts.steps)
+        capture = session.result()
+
+    say("analysing")
+    analysis = analyse(capture, opts.budget)
+    plan = make_plan(analysis, formats, target.name)
+    fp, n_modules = fingerprint(model)
+    policy = _policy(model, fp, n_modules, target, plan, analysis)
+    safe = [f.value for f, s in analysis.summaries.items() if s.safe]
+    exit_code = 0 if (safe or not formats) else 1
+
+    time_label = (f"{hw.gpus[0].name} (cuda)" if mode == "cuda" and hw.gpus else
+                  f"this machine's {device.upper()} ({'emulated numerics; CPU time, not a GPU estimate' if mode == 'emulated' else 'cuda'})")
+    audit = {
+        "schema": AUDIT_SCHEMA_ID,
+        "version": AUDIT_VERSION,
+        "tool": {"name": "precision-audit", "version": __version__},
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": mode,
+        "device": device,
+        "hardware": hw.to_dict(),
+        "target": {**target.to_dict(), "reason": target_reason},
+        "formats": [f.value for f in formats],
+        "formats_skipped": skipped,
+        "options": {"model": opts.model, "batch": opts.batch, "out": str(opts.out), "target": opts.target,
+                    "formats": [f.value for f in opts.formats] if opts.formats else None, "device": opts.device,
+                    "emulate": opts.emulate, "steps": opts.steps, "seed": opts.seed, "budget": opts.budget.to_dict()},
+        "model": {
+            "class": type(model).__name__,
+            "source": source.label,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "fingerprint": fp,
+            "modules": n_modules,
+            "training": capture.training,
+            "mode_note": ("audited in train mode (as the model was given): dropout is active with the same masks "
+                          "in every format, BatchNorm uses batch statistics" if capture.training else
+                          "audited in eval mode (as the model was given): dropout off, BatchNorm uses running statistics"),
+            "output_structure": structures[0] if structures else None,
+        },
+        "batch": {"source": batch.source, "tensors": batch.describe()},
+        "loss": {"kind": str(loss_box["spec"].kind), "description": loss_box["spec"].description},
+        "emulation": capture.emulation,
+        "summary": summary_dict(analysis, capture.step_times_s, time_label, NOT_MEASURED["cost"]),
+        "loss_scale": analysis.loss_scale.to_dict() if analysis.loss_scale else None,
+        "layers": [layer_dict(L, plan, NOT_MEASURED) for L in analysis.layers],
+        "plan": {
+            "source": plan.source,
+            "default_format": plan.default_format.value,
+            "default_reason": plan.default_reason,
+            "overrides": {k: {"format": v.format.value, "reason": v.reason} for k, v in plan.overrides.items()},
+        },
+        "verdict": {"exit_code": exit_code, "safe_formats": safe,
+                    "message": _verdict_message(analysis, plan, safe, formats)},
+        "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__},
+    }
+    audit = clean(audit)
+    say("writing report.html, policy.json and audit.json")
+    from .report.html import render_html  # jinja2 only when writing
+
+    html = render_html(audit, policy.to_dict())
+    files = write_files(opts.out, {
+        "audit.json": json.dumps(audit, indent=1, allow_nan=False) + "\n",
+        "policy.json": json.dumps(policy.to_dict(), indent=2, allow_nan=False) + "\n",
+        "report.html": html,
+    })
+    return AuditResult(audit=audit, policy=policy, html=html, exit_code=exit_code, files=files,
+                       analysis=analysis, plan=plan)
+
+
+def _policy(model, fp: str, n_modules: int, target: GpuSpec, plan: Plan, analysis: Analysis) -> Policy:
+    uses_fp16 = plan.default_format is Format.FP16 or any(o.format is Format.FP16 for o in plan.overrides.values())
+    ls = analysis.loss_scale
+    init = ls.recommended_scale if (ls and ls.recommended_scale) else 65536.0
+    error_pins = any("local error" in o.reason for o in plan.overrides.values())
+    tf32 = target.supports("tf32") and not error_pins
+    return Policy(
+        model_class=type(model).__name__,
+        model_fingerprint=fp,
+        model_modules=n_modules,
+        target_name=target.name,
+        target_compute_capability=tuple(target.compute_capability),
+        target_key=target.key,
+        default_format=plan.default_format.value,
+        modules={k: ModuleOverride(v.format.value, v.reason) for k, v in plan.overrides.items()},
+        loss_scaling=LossScaling(enabled=uses_fp16, init_scale=init),
+        tf32_matmul=tf32,
+        tf32_cudnn=tf32,
+        tool_version=__version__,
+    )
+
+
+def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: tuple[Format, ...]) -> str:
+    if not formats:
+        return "no low-precision format was audited"
+    pins = f"; {len(plan.overrides)} module(s) kept in fp32" if plan.overrides else ""
+    if safe:
+        return f"recommended: {plan.default_format} by default{pins}. Safe as is: {', '.join(safe)}"
+    return (f"unsafe in every audited format as is ({', '.join(f.value for f in formats)}); "
+            f"the policy runs {plan.default_format} by default{pins}")
+
+
+def _warnings(capture, spec: LossSpec, mode: str, structures: list[str]) -> list[str]:
+    w = []
+    if mode == "emulated":
+        w.append("emulated mode: CUDA autocast's op policies and Tensor Core rounding are computed on "
+                 f"{capture.device}; known gaps: " + "; ".join(capture.emulation["known_gaps"] if capture.emulation else []))
+        if capture.emulation and capture.emulation["unknown_cuda_autocast_ops"]:
+            w.append("ops CUDA autocast lowers that the emulation table lacks (emulated as unlisted): "
+                     + ", ".join(capture.emulation["unknown_cuda_autocast_ops"]))
+    if str(spec.kind) in ("cross_entropy", "mse"):
+        w.append(f"loss inferred: {spec.description}")
+    elif str(spec.kind) == "surrogate":
+        w.append(f"no loss defined: {spec.description}; gradient figures describe this surrogate, "
+                 "define loss_fn(output, batch) in the model file for real ones")
+    if len(set(structures)) > 1:
+        w.append("the model's forward returned different output structures on different calls: "
+                 + " vs ".join(sorted(set(structures))))
+    for f, run in capture.runs.items():
+        if run.error:
+            w.append(f"{f} pass not measured: {run.error}")
+    return w

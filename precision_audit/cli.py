@@ -1,0 +1,166 @@
+"""Command line: ``precision-audit MODEL --batch BATCH [options]`` and ``precision-audit targets``.
+
+Exit codes: 0 done; 1 done, but the model is unsafe as is in every audited low-precision format;
+2 a user error (message only, no traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from . import __version__
+from .errors import AuditError, OptionError
+
+EPILOG = """\
+MODEL is a .py file defining build_model(), get_model() or a module-level `model` (model.py:name picks
+another), or an importable package.module:name. The file may define loss_fn(output, batch) and
+sample_batch(). BATCH is a torch.save file: a tensor, a tuple (inputs..., or (inputs, target)), or a dict
+of keyword arguments; it is loaded with weights_only=True.
+
+Other commands:
+  precision-audit targets        the GPU table (--target names and aliases)
+
+Exit codes: 0 done; 1 unsafe as is in every audited format; 2 bad input (message only).
+"""
+
+
+def _budget(text: str):
+    from .analysis.findings import Budget
+
+    keys = {"loss": "max_loss_rel_change", "output": "max_output_rel_error"}
+    values: dict[str, float] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        k, sep, v = part.partition("=")
+        k = k.strip()
+        if not sep or k not in keys:
+            raise OptionError(f"cannot read --budget {text!r}", expected="KEY=VALUE pairs, e.g. loss=0.01,output=0.05",
+                              choices=keys)
+        try:
+            values[keys[k]] = float(v)
+        except ValueError:
+            raise OptionError(f"--budget {k} must be a number", found=repr(v)) from None
+    try:
+        return Budget(**values)
+    except ValueError as e:
+        raise OptionError(f"bad --budget: {e}") from None
+
+
+def _audit_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="precision-audit",
+        description="Measure where FP16/BF16 mixed precision loses accuracy in a PyTorch model, per layer, "
+                    "and write report.html, policy.json and audit.json.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="model.py[:name] or package.module:name")
+    p.add_argument("--batch", metavar="BATCH", help="sample batch written by torch.save (default: sample_batch() "
+                   "from the model file)")
+    p.add_argument("--out", metavar="DIR", default="audit", help="output folder (default: ./audit)")
+    p.add_argument("--target", metavar="GPU", help="target GPU name or alias, e.g. h100, a100, v100 "
+                   "(default: the detected GPU, else H100 SXM; see `precision-audit targets`)")
+    p.add_argument("--formats", metavar="LIST", help="comma-separated formats to audit (default: fp16,bf16 where "
+                   "the target supports them)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where the model runs (default: cuda when available)")
+    p.add_argument("--emulate", action="store_true", help="emulate CUDA numerics even on a GPU")
+    p.add_argument("--steps", type=int, default=1, metavar="N", help="clean timed steps per format (default: 1; 0 skips timing)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for every pass (default: 0)")
+    p.add_argument("--budget", metavar="SPEC", default="",
+                   help="error budget, e.g. loss=0.01,output=0.05 (defaults: relative loss change 0.01, "
+                        "output relative L2 error 0.05)")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--verbose", "-v", action="store_true", help="log details to stderr")
+    p.add_argument("--version", action="version", version=f"precision-audit {__version__}")
+    return p
+
+
+def _summary_text(audit: dict) -> str:
+    from .report.html import fmt_num
+
+    lines = [f"precision-audit: {audit['model']['class']} ({audit['model']['parameters']:,} parameters), "
+             f"target {audit['target']['name']}, {audit['mode']} mode"]
+    head = f"  {'format':<7} {'loss':>12} {'loss change':>12} {'output err':>11} {'non-finite':>10}  verdict"
+    lines.append(head)
+    lines.append(f"  {'fp32':<7} {fmt_num(audit['summary']['fp32']['loss'], 6):>12} {'—':>12} {'—':>11} {'—':>10}  reference")
+    for f in audit["formats"]:
+        s = audit["summary"][f]
+        out = s["output"]["rel_l2"] if s["output"] else None
+        lines.append(f"  {f:<7} {fmt_num(s['loss'], 6):>12} {fmt_num(s['loss_rel_change']):>12} {fmt_num(out):>11} "
+                     f"{s['nonfinite']['outputs']:>10}  {s['verdict']}")
+    for s in audit["formats_skipped"]:
+        lines.append(f"  {s['format']:<7} {s['reason']}")
+    ls = audit.get("loss_scale")
+    if ls:
+        lines.append(f"  fp16 loss scale: {fmt_num(ls['recommended_init_scale'])} — {ls['reason']}")
+    lines.append(f"  plan: {audit['verdict']['message']}")
+    for name, o in audit["plan"]["overrides"].items():
+        lines.append(f"    {name or '(model)'} -> {o['format']}: {o['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "targets":
+            from .gpus import format_targets_table
+
+            if len(argv) > 1 and argv[1] in ("-h", "--help"):
+                print("usage: precision-audit targets\n\nPrint the table of target GPUs (names, aliases, dense peaks).")
+                return 0
+            print(format_targets_table())
+            return 0
+        return _run_audit(argv)
+    except AuditError as e:
+        print(f"precision-audit: error: {e.message}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("precision-audit: interrupted; no output file was replaced", file=sys.stderr)
+        return 130
+
+
+def _run_audit(argv: list[str]) -> int:
+    parser = _audit_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from .audit import AuditOptions, run_audit
+    from .formats import parse_formats
+
+    import torch
+
+    opts = AuditOptions(
+        model=args.model, batch=args.batch, out=Path(args.out), target=args.target,
+        formats=parse_formats(args.formats) if args.formats else None, device=args.device,
+        emulate=args.emulate, steps=args.steps, seed=args.seed, budget=_budget(args.budget),
+    )
+    step = [0]
+
+    def progress(msg: str) -> None:
+        step[0] += 1
+        if not args.quiet:
+            print(f"[{step[0]}] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = run_audit(opts, progress)
+    except torch.OutOfMemoryError as e:
+        raise AuditError("the device ran out of memory during the audit", found=str(e).splitlines()[0][:200],
+                         hint="use a smaller batch, or run with --device cpu") from e
+    if args.json:
+        print(json.dumps({"summary": result.audit["summary"], "verdict": result.audit["verdict"],
+                          "loss_scale": result.audit["loss_scale"], "plan": result.audit["plan"],
+                          "files": [str(f) for f in result.files]}, indent=1))
+    else:
+        print(_summary_text(result.audit))
+        print(f"  wrote: {', '.join(str(f) for f in result.files)}")
+    return result.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

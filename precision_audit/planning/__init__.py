@@ -1,0 +1,1 @@
+"""Planning: choose a format per module."""

@@ -1,0 +1,1 @@
+"""Outputs: audit.json, policy.json, report.html and the terminal summary."""

@@ -1,0 +1,122 @@
+"""audit.json (schema ``precision-audit/audit``): every measurement, for machines.
+
+Floats that are not finite (an overflowed error metric, say) are written as ``null``; the neighbouring
+``nonfinite`` counts say why. The JSON Schema is ``precision_audit/schemas/audit.schema.json``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..analysis.findings import Analysis, FormatError, LayerFinding, RangeFinding
+from ..capture.stats import ErrorStats
+from ..planning.rules import Plan
+
+AUDIT_SCHEMA_ID = "precision-audit/audit"
+AUDIT_VERSION = 1
+
+
+def clean(x: Any) -> Any:
+    """Make a value JSON-safe: non-finite floats -> None, tuples -> lists, int keys -> str."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    return x
+
+
+def error_dict(e: ErrorStats | None) -> dict[str, Any] | None:
+    if e is None:
+        return None
+    return {"rel_l2": e.rel_l2, "sqnr_db": e.sqnr_db, "max_abs": e.max_abs if not e.nonfinite else math.inf,
+            "cosine": e.cosine, "nonfinite": e.nonfinite, "elements": e.n}
+
+
+def _range_dict(r: RangeFinding) -> dict[str, Any]:
+    return {
+        "amax": r.amax,
+        "elements": r.elements,
+        "zeros": r.zeros,
+        "nonfinite": r.nonfinite,
+        "headroom_bits": r.headroom_bits,
+        "fractions": r.fractions,
+        "exponent_histogram": {str(k): v for k, v in sorted(r.exponent_histogram.items())},
+    }
+
+
+def _format_error(e: FormatError) -> dict[str, Any]:
+    return {
+        "local": error_dict(e.local),
+        "local_note": e.local_note,
+        "accumulated": error_dict(e.accumulated),
+        "output_dtypes": e.output_dtypes,
+        "amax": e.activation_amax,
+        "nonfinite_outputs": e.activation_nonfinite,
+    }
+
+
+def layer_dict(L: LayerFinding, plan: Plan, not_measured: dict[str, str]) -> dict[str, Any]:
+    g = L.gradient
+    lp = plan.layers.get(L.name)
+    return {
+        "name": L.name,
+        "type": L.type,
+        "depth": L.depth,
+        "is_leaf": L.is_leaf,
+        "computes": L.computes,
+        "calls": L.calls,
+        "parameters": L.param_count,
+        "output_shapes": L.output_shapes,
+        "error": {f.value: _format_error(e) for f, e in L.errors.items()},
+        "activation": {
+            **_range_dict(L.activation),
+            "by_format": {f.value: {"amax": e.activation_amax, "nonfinite": e.activation_nonfinite,
+                                    "dtypes": e.output_dtypes} for f, e in L.errors.items()},
+        },
+        "gradient": {
+            "output": {"amax": g.output_amax, "fp16": {"unscaled": g.output_fp16_unscaled,
+                                                       "at_recommended": g.output_fp16_at_recommended},
+                       "exponent_histogram": {str(k): v for k, v in sorted(g.output_exponent_histogram.items())}},
+            "parameters": None if g.param_amax is None else {
+                "amax": g.param_amax, "fp16": {"unscaled": g.param_fp16_unscaled,
+                                               "at_recommended": g.param_fp16_at_recommended}},
+            "nonfinite": g.nonfinite,
+        },
+        "alignment": None,
+        "alignment_note": not_measured["alignment"],
+        "cost": None,
+        "cost_note": not_measured["cost"],
+        "plan": {"format": lp.format.value, "reason": lp.reason} if lp else None,
+        "notes": L.notes,
+    }
+
+
+def summary_dict(analysis: Analysis, step_times: dict[str, list[float]], time_label: str,
+                 estimate_note: str) -> dict[str, Any]:
+    def times(key: str) -> dict[str, Any]:
+        t = step_times.get(key)
+        return {
+            "measured_s": min(t) if t else None,
+            "measured_on": time_label if t else None,
+            "measured_note": None if t else "not measured: the pass failed or --steps 0",
+            "estimated_s": None,
+            "estimated_note": estimate_note,
+        }
+
+    out: dict[str, Any] = {"fp32": {"loss": analysis.reference_loss, "step_time": times("fp32")}}
+    for f, s in analysis.summaries.items():
+        out[f.value] = {
+            "loss": s.loss,
+            "loss_rel_change": s.loss_rel_change,
+            "output": error_dict(s.output),
+            "nonfinite": {"outputs": s.output_nonfinite, "param_grads": s.param_grads_nonfinite},
+            "loss_scale": s.loss_scale,
+            "error": s.error,
+            "safe": s.safe,
+            "verdict": s.verdict,
+            "step_time": times(f.value),
+        }
+    return out
