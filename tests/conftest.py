@@ -1,0 +1,61 @@
+"""Shared fixtures: fixed seeds, the repository root, and audits of the sample models run once per session."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ("mlp", "cnn", "tiny_gpt", "fp16_trouble")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def root() -> Path:
+    return ROOT
+
+
+class SampleAudits:
+    """Runs `run_audit` on a sample model once per (sample, options) and caches the result."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self._cache: dict[tuple, tuple] = {}
+
+    def get(self, name: str, **options):
+        from precision_audit.audit import AuditOptions, run_audit
+
+        key = (name, tuple(sorted(options.items())))
+        if key not in self._cache:
+            out = self.base / f"{name}-{len(self._cache)}"
+            opts = AuditOptions(model=str(ROOT / "sample_models" / name / "model.py"),
+                                batch=str(ROOT / "sample_models" / name / "sample.pt"), out=out, **options)
+            t0 = time.perf_counter()
+            result = run_audit(opts)
+            elapsed = time.perf_counter() - t0
+            self._cache[key] = (result, out, elapsed)
+        return self._cache[key]
+
+    def audit_json(self, name: str, **options) -> dict:
+        _, out, _ = self.get(name, **options)
+        return json.loads((out / "audit.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def sample_audits(tmp_path_factory) -> SampleAudits:
+    return SampleAudits(tmp_path_factory.mktemp("sample-audits"))
+
+
+def layer(audit: dict, name: str) -> dict:
+    for L in audit["layers"]:
+        if L["name"] == name:
+            return L
+    raise KeyError(f"no layer {name!r} in audit.json; have {[L['name'] for L in audit['layers']]}")
