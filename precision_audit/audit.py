@@ -13,7 +13,6 @@ import datetime as _dt
 import json
 import logging
 import math
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,9 +83,13 @@ def _resolve_device(opts: AuditOptions, hw: HardwareInfo) -> tuple[str, str]:
         raise OptionError("--device cuda was asked for, but torch sees no CUDA GPU",
                           found=f"torch {hw.torch_version}, CUDA build: {hw.cuda_version or 'no'}",
                           hint="use --device cpu (numerics are emulated faithfully), or install a CUDA build of torch")
+    if opts.emulate:
+        if opts.device == "cuda":
+            raise OptionError("--emulate runs the emulation on the CPU; it cannot be combined with --device cuda",
+                              hint="drop one of the two: --device cuda measures real kernels, --emulate emulates them")
+        return "cpu", "emulated"
     device = "cuda" if (opts.device == "cuda" or (opts.device == "auto" and hw.cuda_available)) else "cpu"
-    mode = "cuda" if device == "cuda" and not opts.emulate else "emulated"
-    return device, mode
+    return device, ("cuda" if device == "cuda" else "emulated")
 
 
 def _select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, ...], list[dict[str, str]]]:
@@ -216,7 +219,6 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         "verdict": {"exit_code": exit_code, "safe_formats": safe,
                     "message": _verdict_message(analysis, plan, safe, formats)},
         "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__},
     }
     audit = clean(audit)
     say("writing report.html, policy.json and audit.json")

@@ -99,6 +99,7 @@ class LayerFinding:
     computes: bool
     calls: int
     param_count: int
+    total_param_count: int
     output_shapes: list[list[int]]
     errors: dict[Format, FormatError]
     activation: RangeFinding
@@ -180,7 +181,7 @@ def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFi
             notes.append(f"{e.unmatched_calls} call(s) in the {f} run had no FP32 counterpart (control flow differed)")
     return LayerFinding(
         name=r.name, type=r.type, depth=r.depth, is_leaf=r.is_leaf, computes=r.computes, calls=r.calls,
-        param_count=r.param_count, output_shapes=r.output_shapes, errors=errors,
+        param_count=r.param_count, total_param_count=r.total_param_count, output_shapes=r.output_shapes, errors=errors,
         activation=RangeFinding.of(r.activation), gradient=grad, notes=notes,
     )
 

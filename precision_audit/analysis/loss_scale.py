@@ -31,6 +31,8 @@ class LossScaleFinding:
     """
 
     max_abs_grad: float
+    forward_overflow: str | None
+    max_no_overflow_exponent: int | None
     recommended_exponent: int | None
     safe_range: tuple[int, int] | None
     flushed_unscaled: float
@@ -46,13 +48,22 @@ class LossScaleFinding:
         return None if self.recommended_exponent is None else math.ldexp(1.0, self.recommended_exponent)
 
     def to_dict(self) -> dict:
+        every_step = self.forward_overflow is not None
         return {
             "recommended_init_scale": self.recommended_scale,
             "recommended_exponent": self.recommended_exponent,
+            # scales with one doubling of headroom below overflow whose flushed share is within
+            # UNDERFLOW_TOLERANCE of the best reachable
             "safe_range": None if self.safe_range is None else [math.ldexp(1.0, e) for e in self.safe_range],
+            "max_no_overflow_scale": None if self.max_no_overflow_exponent is None
+            else math.ldexp(1.0, self.max_no_overflow_exponent),
             "max_abs_grad": self.max_abs_grad,
-            "underflow_fraction": {"unscaled": self.flushed_unscaled, "at_recommended": self.flushed_at_recommended},
-            "overflow_fraction_unscaled": self.overflow_unscaled,
+            "flushed_fraction": {"unscaled": self.flushed_unscaled, "at_recommended": self.flushed_at_recommended},
+            "overflow_fraction": {"unscaled": self.overflow_unscaled,
+                                  "at_recommended": 0.0 if self.recommended_exponent is not None else None},
+            "forward_overflow": self.forward_overflow,
+            "expected_skipped_steps": None if every_step else 0,
+            "every_step_skipped": every_step,
             "gradscaler_default": {
                 "init_scale": math.ldexp(1.0, GRADSCALER_INIT_EXPONENT),
                 "skipped_steps": self.default_skipped_steps,
@@ -81,11 +92,12 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
     g = grads.amax
     unscaled = frac(0)
     if grads.nonzero_finite == 0:
-        return LossScaleFinding(g, None, None, 0.0, None, 0.0, None, None, True,
-                                "no non-zero gradient was measured; any scale works")
+        return LossScaleFinding(g, forward_overflow, None, None, None, 0.0, None, 0.0, None, None,
+                                forward_overflow is None, "no non-zero gradient was measured; any scale works")
     no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < 65504]
     if not no_overflow:
-        return LossScaleFinding(g, None, None, unscaled["flushed"], None, unscaled["overflow"], None, None, False,
+        return LossScaleFinding(g, forward_overflow, None, None, None, unscaled["flushed"], None, unscaled["overflow"],
+                                None, None, False,
                                 f"gradients reach {g:.3g}: they overflow FP16 even at scale 2^{SCALE_EXPONENTS[0]}; use BF16")
     k_max = max(no_overflow)  # largest scale with no overflow at all
     k_hi = k_max - HEADROOM_EXPONENTS
@@ -109,6 +121,8 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
                   f"({best:.2e}); unscaled, {unscaled['flushed']:.2%} of gradients flush to zero")
     return LossScaleFinding(
         max_abs_grad=g,
+        forward_overflow=forward_overflow,
+        max_no_overflow_exponent=k_max,
         recommended_exponent=k_hi,
         safe_range=(k_lo, k_hi),
         flushed_unscaled=unscaled["flushed"],

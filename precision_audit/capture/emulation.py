@@ -88,14 +88,18 @@ FP32_COMPUTE_OPS = frozenset({
 
 def _round_up(x: Any, dtype: torch.dtype) -> Any:
     """Round eligible tensors to ``dtype`` and hand them on as float32 (exact: every value is an fp32 value)."""
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype).to(torch.float32) if _eligible(x) else x
+    if type(x) is torch.Tensor or isinstance(x, torch.Tensor):
+        if x.dtype == dtype:
+            return x.float()
+        return x.to(dtype).float() if _eligible(x) else x
     if isinstance(x, (list, tuple)):
         return type(x)(_round_up(v, dtype) for v in x)
     return x
 
 
 def _round_out(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):  # the common case, without a pytree walk
+        return x.to(dtype) if x.dtype == torch.float32 else x
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, x)
 
 
@@ -103,7 +107,9 @@ def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
     if policy is CastPolicy.LOWER_PRECISION_FP and name in FP32_COMPUTE_OPS:
         def kernel(*args, **kwargs):
             dtype = torch.get_autocast_dtype("cpu")
-            args, kwargs = _round_up(args, dtype), {k: _round_up(v, dtype) for k, v in kwargs.items()}
+            args = [_round_up(a, dtype) for a in args]
+            if kwargs:
+                kwargs = {k: _round_up(v, dtype) for k, v in kwargs.items()}
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
                 return _round_out(op(*args, **kwargs), dtype)
         return kernel

@@ -57,6 +57,7 @@ class LayerRecord:
     depth: int
     is_leaf: bool
     param_count: int  # own parameters (not children's)
+    total_param_count: int  # own and children's
     order: int  # position of its first call in the reference forward
     calls: int = 0
     computes: bool = False  # ran at least one compute op itself (not only through children)

@@ -233,6 +233,7 @@ class CaptureSession:
                 depth=0 if name == "" else name.count(".") + 1,
                 is_leaf=next(iter(m.children()), None) is None,
                 param_count=sum(p.numel() for p in m.parameters(recurse=False)),
+                total_param_count=sum(p.numel() for p in m.parameters()),
                 order=len(self.layers),
             )
             self.layers[id(m)] = rec
@@ -506,7 +507,8 @@ class CaptureSession:
                 "autocast_policy": "CUDA autocast op table, torch 2.13 (aten/src/ATen/autocast_mode.h)",
                 "unknown_cuda_autocast_ops": list(self._policy.unknown_ops),
                 "table_ops_not_registered": list(self._policy.stale_ops),
-                "gemm_calls_emulated": self._gemm.gemm_calls,
+                "gemm_ops": "computed in fp32 from rounded inputs, rounded once (in the autocast kernels)",
+                "dispatch_mode_used": self._use_gemm_mode,
                 "fp32_fallback_ops": sorted(self._gemm.fallback_ops),
                 "known_gaps": list(KNOWN_GAPS),
             }

@@ -31,8 +31,11 @@ def clean(x: Any) -> Any:
 def error_dict(e: ErrorStats | None) -> dict[str, Any] | None:
     if e is None:
         return None
+    # sqnr_db is null both for an exact match (infinite SQNR: "exact" is true) and for a non-finite result
+    # ("nonfinite" > 0); JSON has no infinity.
     return {"rel_l2": e.rel_l2, "sqnr_db": e.sqnr_db, "max_abs": e.max_abs if not e.nonfinite else math.inf,
-            "cosine": e.cosine, "nonfinite": e.nonfinite, "elements": e.n}
+            "cosine": e.cosine, "nonfinite": e.nonfinite, "elements": e.n,
+            "exact": e.nonfinite == 0 and e.sum_diff2 == 0}
 
 
 def _range_dict(r: RangeFinding) -> dict[str, Any]:
@@ -48,19 +51,12 @@ def _range_dict(r: RangeFinding) -> dict[str, Any]:
 
 
 def _format_error(e: FormatError) -> dict[str, Any]:
-    return {
-        "local": error_dict(e.local),
-        "local_note": e.local_note,
-        "accumulated": error_dict(e.accumulated),
-        "output_dtypes": e.output_dtypes,
-        "amax": e.activation_amax,
-        "nonfinite_outputs": e.activation_nonfinite,
-    }
+    return {"local": error_dict(e.local), "local_note": e.local_note, "accumulated": error_dict(e.accumulated)}
 
 
 def layer_dict(L: LayerFinding, plan: Plan, not_measured: dict[str, str]) -> dict[str, Any]:
     g = L.gradient
-    lp = plan.layers.get(L.name)
+    lp = plan.layers[L.name]
     return {
         "name": L.name,
         "type": L.type,
@@ -68,7 +64,8 @@ def layer_dict(L: LayerFinding, plan: Plan, not_measured: dict[str, str]) -> dic
         "is_leaf": L.is_leaf,
         "computes": L.computes,
         "calls": L.calls,
-        "parameters": L.param_count,
+        "own_parameters": L.param_count,
+        "parameters": L.total_param_count,
         "output_shapes": L.output_shapes,
         "error": {f.value: _format_error(e) for f, e in L.errors.items()},
         "activation": {
@@ -89,7 +86,7 @@ def layer_dict(L: LayerFinding, plan: Plan, not_measured: dict[str, str]) -> dic
         "alignment_note": not_measured["alignment"],
         "cost": None,
         "cost_note": not_measured["cost"],
-        "plan": {"format": lp.format.value, "reason": lp.reason} if lp else None,
+        "plan": {"format": lp.format.value, "reason": lp.reason},
         "notes": L.notes,
     }
 
@@ -114,7 +111,7 @@ def summary_dict(analysis: Analysis, step_times: dict[str, list[float]], time_la
             "output": error_dict(s.output),
             "nonfinite": {"outputs": s.output_nonfinite, "param_grads": s.param_grads_nonfinite},
             "loss_scale": s.loss_scale,
-            "error": s.error,
+            "pass_error": s.error,
             "safe": s.safe,
             "verdict": s.verdict,
             "step_time": times(f.value),
