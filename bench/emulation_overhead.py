@@ -41,8 +41,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--scale-batch", type=int, default=1, help="repeat the batch along dim 0 this many times")
     ap.add_argument("--native", action="store_true", help="also time CPU-native autocast (slow: ~100x for GEMMs)")
+    ap.add_argument("--probe", action="store_true",
+                    help="use DESIGN.md §3's probe instead: an 8-block residual MLP, 512 wide, batch 128")
     args = ap.parse_args()
 
+    if args.probe:
+        args.model = str(ROOT / "bench" / "models" / "residual_mlp.py")
+        args.batch = None
     model, source = load_model(args.model)
     batch = load_batch(args.batch, model, source)
     if args.scale_batch > 1:
