@@ -218,7 +218,8 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         },
         "verdict": {"exit_code": exit_code, "safe_formats": safe,
                     "message": _verdict_message(analysis, plan, safe, formats)},
-        "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings,
+        "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings
+        + _rnn_warning(model, mode),
     }
     audit = clean(audit)
     say("writing report.html, policy.json and audit.json")
@@ -264,6 +265,14 @@ def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: t
         return f"recommended: {plan.default_format} by default{pins}. Safe as is: {', '.join(safe)}"
     return (f"unsafe in every audited format as is ({', '.join(f.value for f in formats)}); "
             f"the policy runs {plan.default_format} by default{pins}")
+
+
+def _rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
+    rnns = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.LSTM, torch.nn.GRU))]
+    if mode != "emulated" or not rnns:
+        return []
+    return [f"{', '.join(rnns[:5])}: nn.LSTM/nn.GRU run in fp16 on CUDA through cuDNN's own autocast wrapper, "
+            "which the emulation does not reproduce (they stay fp32 here); audit on a GPU for their numerics"]
 
 
 def _warnings(capture, spec: LossSpec, mode: str, structures: list[str]) -> list[str]:

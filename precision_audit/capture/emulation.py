@@ -40,6 +40,10 @@ KNOWN_GAPS: tuple[str, ...] = (
     "split-K reduced-precision reductions (on by default on CUDA) are not emulated: partial sums are kept in fp32",
     "Tensor Core accumulation order and truncation are modelled as one fp32 sum, rounded once",
     "fp16-accumulation GEMM modes (allow_fp16_accumulation) are not emulated",
+    "scaled_dot_product_attention is computed in fp32 and rounded once; FlashAttention kernels also round the "
+    "softmax probabilities to fp16/bf16 before multiplying by V",
+    "nn.LSTM / nn.GRU: CUDA lowers them to fp16 through cuDNN's own autocast wrapper (_cudnn_rnn_cast_reflatten, "
+    "CUDA builds only); the emulation leaves them in fp32",
 )
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -78,9 +82,12 @@ def _dtype_arg(op: torch._ops.OpOverload) -> tuple[int | None, bool]:
 # which is exact up to summation order and ~100x faster on a CPU than native fp16/bf16 kernels. Autograd
 # sees the casts, so the gradient GEMMs run in fp32 and their results are rounded to the low-precision
 # dtype by the casts' backward, just as dgrad/wgrad outputs are on a GPU.
+# Not here, because CUDA runs them as device-agnostic composites that round intermediate results:
+# linalg_vecdot ((x * y).sum(-1): every product rounded), conv_tbc (one in-place add per kernel tap into the
+# low-precision output), chain_matmul / linalg_multi_dot, and einsum with more than two operands.
 FP32_COMPUTE_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "linear", "matmul", "einsum",
-    "linalg_vecdot", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d.input",
     "conv_transpose3d.input", "convolution", "_convolution", "_convolution.deprecated", "cudnn_convolution",
     "cudnn_convolution_transpose", "prelu", "scaled_dot_product_attention",
 })
@@ -105,7 +112,11 @@ def _round_out(x: Any, dtype: torch.dtype) -> Any:
 
 def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
     if policy is CastPolicy.LOWER_PRECISION_FP and name in FP32_COMPUTE_OPS:
+        native = _make_kernel(op, policy, name + "#native")
+
         def kernel(*args, **kwargs):
+            if name == "einsum" and len(args) > 1 and isinstance(args[1], (list, tuple)) and len(args[1]) > 2:
+                return native(*args, **kwargs)  # a chain of pairwise GEMMs with rounded intermediates
             dtype = torch.get_autocast_dtype("cpu")
             args = [_round_up(a, dtype) for a in args]
             if kwargs:
@@ -161,15 +172,17 @@ def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
         return kernel
     if policy is CastPolicy.PROMOTE:
         def kernel(*args, **kwargs):
+            # at::autocast::prioritize, argument by argument: float32 wins as soon as it is seen (before or
+            # after); two lower-precision dtypes must both be the autocast dtype; float64 is ignored.
             lower = torch.get_autocast_dtype("cpu")
             widest = lower
             for t in _flat_tensors((args, kwargs)):
                 if not _eligible(t):
                     continue
-                if t.dtype == torch.float32:
+                if widest == torch.float32 or t.dtype == torch.float32:
                     widest = torch.float32
-                elif t.dtype != lower:
-                    raise RuntimeError(f"Unexpected floating ScalarType in at::autocast::prioritize: {t.dtype}")
+                elif not (widest == lower and t.dtype == lower):
+                    raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
             args, kwargs = _cast_tree(args, widest), {k: _cast_tree(v, widest) for k, v in kwargs.items()}
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
                 return op(*args, **kwargs)
