@@ -23,6 +23,7 @@ import torch
 from . import __version__
 from .analysis.findings import Analysis, Budget, analyse
 from .analysis.loss_scale import recommend_loss_scale
+from .analysis.performance import performance
 from .capture.runner import CaptureConfig, CaptureSession
 from .errors import AuditError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
@@ -35,11 +36,6 @@ from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, clean, layer_dict, summary_dict
 
 log = logging.getLogger(__name__)
-
-NOT_MEASURED = {
-    "alignment": "not measured: Tensor Core alignment analysis is not built yet in this version",
-    "cost": "not measured: the target cost model is not built yet in this version",
-}
 
 
 @dataclass(frozen=True)
@@ -163,12 +159,19 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
             say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
             session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
         if opts.steps:
-            say(f"timing {opts.steps} clean step(s) per format on {device}")
+            say(f"profiling {opts.steps} timed step(s) per format on {device} (after one warm-up step)")
             session.timed_steps(opts.steps)
         capture = session.result()
 
     say("analysing")
     analysis = analyse(capture, opts.budget)
+    shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
+    perf = performance(capture, target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
+                       sum(p.numel() for p in model.parameters() if p.requires_grad))
+    if mode == "cuda":
+        say("timing misaligned GEMMs against their padded sizes on the GPU")
+        _measure_gemms_on_gpu(capture, perf, target, device, formats)
     plan = make_plan(analysis, formats, target.name)
     fp, n_modules = fingerprint(model)
     policy = _policy(model, fp, n_modules, target, plan, analysis)
@@ -207,9 +210,20 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         "batch": {"source": batch.source, "tensors": batch.describe()},
         "loss": {"kind": str(loss_box["spec"].kind), "description": loss_box["spec"].description},
         "emulation": capture.emulation,
-        "summary": summary_dict(analysis, capture.step_times_s, time_label, NOT_MEASURED["cost"]),
+        "summary": summary_dict(analysis, capture.step_times_s, time_label, perf.step_time_s, target.name),
+        "estimates": {
+            "target": target.name,
+            "kind": "estimate",
+            "step_time_s": perf.step_time_s,
+            "speedup_vs_fp32": perf.speedup_vs_fp32,
+            "assumptions": list(perf.assumptions),
+        },
+        "memory": perf.memory,
+        "traces": {"dir": "tb", "files": sorted(f"tb/{k}" for k in capture.traces),
+                   "note": "torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
+                           "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"},
         "loss_scale": analysis.loss_scale.to_dict() if analysis.loss_scale else None,
-        "layers": [layer_dict(L, plan, NOT_MEASURED) for L in analysis.layers],
+        "layers": [layer_dict(L, plan, perf.layers.get(L.name), time_label) for L in analysis.layers],
         "plan": {
             "source": plan.source,
             "default_format": plan.default_format.value,
@@ -230,6 +244,7 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         "audit.json": json.dumps(audit, indent=1, allow_nan=False) + "\n",
         "policy.json": json.dumps(policy.to_dict(), indent=2, allow_nan=False) + "\n",
         "report.html": html,
+        **{f"tb/{name}": data for name, data in capture.traces.items()},
     })
     return AuditResult(audit=audit, policy=policy, html=html, exit_code=exit_code, files=files,
                        analysis=analysis, plan=plan)
@@ -265,6 +280,33 @@ def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: t
         return f"recommended: {plan.default_format} by default{pins}. Safe as is: {', '.join(safe)}"
     return (f"unsafe in every audited format as is ({', '.join(f.value for f in formats)}); "
             f"the policy runs {plan.default_format} by default{pins}")
+
+
+def _measure_gemms_on_gpu(capture, perf, target: GpuSpec, device: str, formats: tuple[Format, ...]) -> None:
+    """Attach measured times to alignment findings: each misaligned GEMM as is and padded (CUDA only)."""
+    from .analysis.alignment import padded
+    from .capture.gemm_bench import measure
+
+    fmt = Format.BF16 if Format.BF16 in formats else (formats[0] if formats else None)
+    if fmt is None:
+        return
+    dtype = LOW_PRECISION_DTYPES[fmt]
+    fp32_peak = target.peak("fp32")
+    for rec in capture.layers:
+        lp = perf.layers.get(rec.name)
+        if lp is None:
+            continue
+        gemms = {(g.m, g.n, g.k, g.batch): g for g, _ in rec.ops.gemms.values()}
+        for finding in lp.alignment:
+            shape = finding.get("gemm")
+            if not shape:
+                continue
+            g = gemms.get((shape["m"], shape["n"], shape["k"], shape["batch"]))
+            if g is None:
+                continue
+            finding["measured"] = {"format": fmt.value, "as_is": measure(g, dtype, device, fp32_peak),
+                                   "padded": measure(padded(g, fmt), dtype, device, fp32_peak),
+                                   "measured_on": torch.cuda.get_device_name(device)}
 
 
 def _rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:

@@ -93,12 +93,48 @@ FP32_COMPUTE_OPS = frozenset({
 })
 
 
+class _Rounded:
+    """What the memory counter needs to know about an fp32 tensor that holds fp16/bf16 values."""
+
+    __slots__ = ("tensor", "itemsize", "from_parameter", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, itemsize: int, from_parameter: bool) -> None:
+        self.tensor = tensor
+        self.itemsize = itemsize
+        self.from_parameter = from_parameter
+
+
+# storage data_ptr -> _Rounded, only while a memory measurement runs (SavedTensorCounter: one forward pass).
+# Keyed by storage so that views (a GEMM saves weight.t()) are recognised; the entry keeps the tensor alive,
+# so the address cannot be reused while the registry exists.
+_ROUNDED: dict[int, _Rounded] | None = None
+_ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
+
+
+def start_rounding_registry() -> dict[int, _Rounded]:
+    global _ROUNDED
+    _ROUNDED = {}
+    return _ROUNDED  # type: ignore[return-value]
+
+
+def stop_rounding_registry() -> None:
+    global _ROUNDED
+    _ROUNDED = None
+
+
+def _register(src: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if _ROUNDED is not None:
+        _ROUNDED[out.untyped_storage().data_ptr()] = _Rounded(out, _ITEMSIZE.get(dtype, 4),
+                                                              src.is_leaf and src.requires_grad)
+    return out
+
+
 def _round_up(x: Any, dtype: torch.dtype) -> Any:
     """Round eligible tensors to ``dtype`` and hand them on as float32 (exact: every value is an fp32 value)."""
     if type(x) is torch.Tensor or isinstance(x, torch.Tensor):
         if x.dtype == dtype:
-            return x.float()
-        return x.to(dtype).float() if _eligible(x) else x
+            return _register(x, x.float(), dtype)
+        return _register(x, x.to(dtype).float(), dtype) if _eligible(x) else x
     if isinstance(x, (list, tuple)):
         return type(x)(_round_up(v, dtype) for v in x)
     return x

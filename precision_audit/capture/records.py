@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..formats import Format
+from .ops import ModuleOps
 from .stats import ErrorStats, MagnitudeHistogram
 
 
@@ -46,6 +47,10 @@ class FormatLayerStats:
     output_dtypes: set[str] = field(default_factory=set)
     calls: int = 0
     unmatched_calls: int = 0  # calls with no reference counterpart (control flow differed)
+    # first-order change of the loss from this module's local error: sum over calls of <dL/dy, y_p - y>
+    loss_impact: float = 0.0
+    loss_impact_abs: float = 0.0
+    impact_measured: bool = False
 
 
 @dataclass
@@ -68,6 +73,9 @@ class LayerRecord:
     grad_param: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # fp32 reference dL/dW
     formats: dict[Format, FormatLayerStats] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    ops: ModuleOps = field(default_factory=ModuleOps)  # what it computed itself in the FP32 forward
+    saved_bytes: dict[str, int] = field(default_factory=dict)  # "fp32"/format -> activation bytes saved for backward
+    measured_time_s: dict[str, float] = field(default_factory=dict)  # format -> profiled time per step (inclusive)
 
 
 @dataclass
@@ -97,3 +105,6 @@ class CaptureResult:
     step_times_s: dict[str, list[float]]  # clean (uninstrumented) steps, per format incl. "fp32"
     emulation: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # run -> {activation_bytes, weight_copy_bytes, peak_bytes?}
+    traces: dict[str, bytes] = field(default_factory=dict)  # file name -> profiler trace (for tb/)
+    time_label: str = ""

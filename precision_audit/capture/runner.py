@@ -28,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
+from .memory import SavedTensorCounter
+from .ops import record_op
 from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast, is_missing_low_precision_kernel
 from .records import CaptureResult, FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .stats import ErrorStats, MagnitudeHistogram
@@ -80,10 +82,13 @@ class _OpTracker(TorchDispatchMode):
         self.session = session
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         s = self.session
         if not s._rerunning and s._stack and not func.is_view and func not in _NON_COMPUTE:
             s._own_ops[-1] += 1
-        return func(*args, **(kwargs or {}))
+            record_op(s._layer(s._modules[s._stack[-1]]).ops, func, args, kwargs, out)
+        return out
 
 
 class CaptureSession:
@@ -119,6 +124,12 @@ class CaptureSession:
         self.reference: RunRecord | None = None
         self.runs: dict[Format, RunRecord] = {}
         self.step_times: dict[str, list[float]] = {}
+        self.memory: dict[str, dict[str, int]] = {}
+        self._prof_stack: list[tuple[int, Any, Any]] = []
+        self._pending_events: list[tuple[int, Any, Any]] = []
+        self._step_layer_times: dict[int, float] = {}
+        self._layer_times: dict[int, list[float]] = {}
+        self.traces: dict[str, bytes] = {}
         self.warnings: list[str] = []
         # per-run state
         self._phase: Format | str | None = None
@@ -249,13 +260,21 @@ class CaptureSession:
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _pre_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._phase == "profile":
+            self._profile_pre(m)
+            return
         if self._phase is None or self._rerunning:
             return
         self._stack.append(id(m))
         self._own_ops.append(0)
         self._pre_rng.append(self._rng_state() if self._phase == "ref" else None)
+        if self._phase == "ref":
+            self._layer(m)  # records are ordered by first call (pre-order of execution)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._phase == "profile":
+            self._profile_post(m)
+            return
         if self._phase is None or self._rerunning:
             return
         if not self._stack or self._stack[-1] != id(m):
@@ -265,15 +284,16 @@ class CaptureSession:
         pre_rng = self._pre_rng.pop()
         rec = self._layer(m)
         ys = float_tensors(output)
+        diffs: dict[Format, list[torch.Tensor]] = {}
         if self._phase == "ref":
-            self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng)
+            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng)
         else:
             self._post_format(m, rec, ys)
-        for y in ys:
+        for i, y in enumerate(ys):
             if y.requires_grad:
-                y.register_hook(self._grad_hook(rec))
+                y.register_hook(self._grad_hook(rec, {f: d[i] for f, d in diffs.items()}))
 
-    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng) -> None:
+    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng) -> dict:
         rec.calls += 1
         rec.own_ops += own_ops
         if rec.calls == 1:
@@ -292,9 +312,13 @@ class CaptureSession:
                     fs.local_note = ("no computation of its own" if rec.is_leaf
                                      else "a container: its children's local errors are measured")
         if computes and rec.name != "" and self.config.formats and ys:
-            self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+            return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+        return {}
 
-    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre_rng) -> None:
+    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre_rng) -> dict[Format, list[torch.Tensor]]:
+        """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
+        bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
+        diffs: dict[Format, list[torch.Tensor]] = {}
         self._rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
@@ -323,9 +347,12 @@ class CaptureSession:
                     fs.local_note = None
                 for y, p in zip(ys, ps):
                     fs.local.update(y, p)
+                if any(y.requires_grad for y in ys):
+                    diffs[fmt] = [(p.detach().float() - y.detach()).to(torch.bfloat16) for y, p in zip(ys, ps)]
         finally:
             self._set_rng_state(now)
             self._rerunning = False
+        return diffs
 
     def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str]) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
@@ -353,7 +380,7 @@ class CaptureSession:
         for r, y in zip(refs[k], ys):
             fs.accumulated.update(r, y)
 
-    def _grad_hook(self, rec: LayerRecord):
+    def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, torch.Tensor] | None = None):
         phase = self._phase
 
         def hook(g: torch.Tensor) -> None:
@@ -362,6 +389,12 @@ class CaptureSession:
             if phase == "ref":
                 rec.grad_output.update(g)
                 self.grad_all.update(g)
+                for f, d in (diffs or {}).items():
+                    impact = float((g.detach().double() * d.double()).sum())
+                    fs = rec.formats[f]
+                    fs.loss_impact += impact
+                    fs.loss_impact_abs += abs(impact)
+                    fs.impact_measured = True
             elif isinstance(phase, Format):
                 rec.formats[phase].grad_output.update(g)
         return hook
@@ -369,15 +402,23 @@ class CaptureSession:
     # -- runs ----------------------------------------------------------------------------------------
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
+        if self.config.mode == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
         try:
             if fmt is None:
-                with self._fp32_reference_switches(), _OpTracker(self):
+                with self._fp32_reference_switches(), counter, _OpTracker(self):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
             else:
-                with self._autocast(fmt):
+                with counter, self._autocast(fmt):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
+            key = "fp32" if fmt is None else fmt.value
+            self.memory[key] = {"activation_bytes": counter.tally.activation_bytes,
+                                "weight_copy_bytes": counter.tally.weight_copy_bytes}
+            for mid, nbytes in counter.tally.by_module.items():
+                self._layer(self._modules[mid]).saved_bytes[key] = nbytes
         except Exception as e:
             where = self._names.get(self._stack[-1], "?") if self._stack else None
             self._stack.clear()
@@ -410,6 +451,7 @@ class CaptureSession:
             self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
             with self._fp32_reference_switches():
                 loss.backward()
+            self._record_peak("fp32")
         finally:
             self._phase = None
         # parameter gradients, attributed to the module that owns each parameter
@@ -438,6 +480,7 @@ class CaptureSession:
             # grads are recorded per layer through the hooks registered during the forward
             with self._backward_context():
                 (loss.float() * loss_scale).backward()
+            self._record_peak(fmt.value)
         except _RunFailure as f:
             self._phase = None
             if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
@@ -468,31 +511,105 @@ class CaptureSession:
         self.runs[fmt] = run
         return run
 
-    def timed_steps(self, steps: int) -> dict[str, list[float]]:
-        """Clean forward+backward steps (hooks idle) per format, timed on this machine's device."""
+    def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
+        """Clean forward+backward steps per format under torch.profiler, timed on this machine's device.
+
+        Module forwards are marked ``module::<name>`` in the traces and timed (CPU: wall clock; CUDA:
+        events). Traces (Chrome/Perfetto JSON, the format TensorBoard's profiler plugin reads) are kept in
+        ``self.traces`` for the caller to write atomically.
+        """
+        import tempfile
+        from pathlib import Path
+
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.config.mode == "cuda" else [])
         for fmt in (None, *self.config.formats):
             key = "fp32" if fmt is None else fmt.value
             if fmt is not None and self.runs.get(fmt) and self.runs[fmt].error:
                 continue
-            times = []
-            for _ in range(steps):
-                self._reset()
-                self._sync()
-                t0 = time.perf_counter()
-                if fmt is None:
-                    with self._fp32_reference_switches():
-                        loss = self._loss_of(self._forward(self.model))
-                        loss.backward()
-                else:
-                    with self._autocast(fmt):
-                        loss = self._loss_of(self._forward(self.model))
-                    with self._backward_context():
-                        loss.float().backward()
-                self._sync()
-                times.append(time.perf_counter() - t0)
+            times: list[float] = []
+            self._layer_times = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                handler = tensorboard_trace_handler(tmp, worker_name=f"precision-audit-{key}", use_gzip=False) \
+                    if traces else None
+                # one warm-up step first: the profiler's first step carries its start-up cost
+                prof = profile(activities=activities, on_trace_ready=handler,
+                               schedule=schedule(wait=0, warmup=1, active=steps, repeat=1))
+                with _quiet_native_stderr():
+                    prof.start()
+                try:
+                    for i in range(steps + 1):
+                        self._reset()
+                        self._phase = "profile"
+                        self._sync()
+                        t0 = time.perf_counter()
+                        try:
+                            if fmt is None:
+                                with self._fp32_reference_switches():
+                                    loss = self._loss_of(self._forward(self.model))
+                                    loss.backward()
+                            else:
+                                with self._autocast(fmt):
+                                    loss = self._loss_of(self._forward(self.model))
+                                with self._backward_context():
+                                    loss.float().backward()
+                            self._sync()
+                        finally:
+                            self._phase = None
+                        if i:
+                            times.append(time.perf_counter() - t0)
+                            self._collect_layer_times()
+                        else:
+                            self._pending_events.clear()
+                            self._step_layer_times = {}
+                        with _quiet_native_stderr():
+                            prof.step()
+                finally:
+                    with _quiet_native_stderr():
+                        prof.stop()
+                for f in sorted(Path(tmp).glob("*.json")):
+                    self.traces[f"{key}/{f.name}"] = f.read_bytes()
             self.step_times[key] = times
+            for mid, ts in self._layer_times.items():
+                if ts:
+                    self._layer(self._modules[mid]).measured_time_s[key] = min(ts) if steps else 0.0
         self._reset()
         return self.step_times
+
+    def _profile_pre(self, m: torch.nn.Module) -> None:
+        rf = torch.autograd.profiler.record_function(f"module::{self._names.get(id(m), '?') or '(model)'}")
+        rf.__enter__()
+        if self.config.mode == "cuda":
+            start: Any = torch.cuda.Event(enable_timing=True)
+            start.record()
+        else:
+            start = time.perf_counter()
+        self._prof_stack.append((id(m), rf, start))
+
+    def _profile_post(self, m: torch.nn.Module) -> None:
+        if not self._prof_stack or self._prof_stack[-1][0] != id(m):
+            return
+        _, rf, start = self._prof_stack.pop()
+        if self.config.mode == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending_events.append((id(m), start, end))
+        else:
+            self._step_layer_times[id(m)] = self._step_layer_times.get(id(m), 0.0) + time.perf_counter() - start
+        rf.__exit__(None, None, None)
+
+    def _collect_layer_times(self) -> None:
+        for mid, start, end in self._pending_events:
+            self._step_layer_times[mid] = self._step_layer_times.get(mid, 0.0) + start.elapsed_time(end) / 1e3
+        self._pending_events.clear()
+        for mid, t in self._step_layer_times.items():
+            self._layer_times.setdefault(mid, []).append(t)
+        self._step_layer_times = {}
+
+    def _record_peak(self, key: str) -> None:
+        if self.config.mode == "cuda" and key in self.memory:
+            self.memory[key]["peak_bytes"] = int(torch.cuda.max_memory_allocated())
 
     def _sync(self) -> None:
         if self.config.mode == "cuda":
@@ -524,7 +641,31 @@ class CaptureSession:
             step_times_s=dict(self.step_times),
             emulation=emulation,
             warnings=list(self.warnings),
+            memory=dict(self.memory),
+            traces=dict(self.traces),
         )
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Kineto prints 'profiler_start/stop' lines from C++ straight to file descriptor 2; silence them there."""
+    import os
+    import sys
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 class _RunFailure(Exception):

@@ -13,6 +13,9 @@ from ..analysis.findings import Analysis, FormatError, LayerFinding, RangeFindin
 from ..capture.stats import ErrorStats
 from ..planning.rules import Plan
 
+if False:  # typing only
+    from ..analysis.performance import LayerPerformance
+
 AUDIT_SCHEMA_ID = "precision-audit/audit"
 AUDIT_VERSION = 1
 
@@ -54,7 +57,7 @@ def _format_error(e: FormatError) -> dict[str, Any]:
     return {"local": error_dict(e.local), "local_note": e.local_note, "accumulated": error_dict(e.accumulated)}
 
 
-def layer_dict(L: LayerFinding, plan: Plan, not_measured: dict[str, str]) -> dict[str, Any]:
+def layer_dict(L: LayerFinding, plan: Plan, perf: "LayerPerformance | None", time_label: str) -> dict[str, Any]:
     g = L.gradient
     lp = plan.layers[L.name]
     return {
@@ -82,25 +85,34 @@ def layer_dict(L: LayerFinding, plan: Plan, not_measured: dict[str, str]) -> dic
                                                "at_recommended": g.param_fp16_at_recommended}},
             "nonfinite": g.nonfinite,
         },
-        "alignment": None,
-        "alignment_note": not_measured["alignment"],
-        "cost": None,
-        "cost_note": not_measured["cost"],
+        "alignment": perf.alignment if perf else None,
+        "alignment_note": (None if perf and perf.alignment else
+                           "no GEMM, convolution or attention of its own" if perf else "not measured"),
+        "cost": None if not perf or perf.cost is None else {
+            **perf.cost,
+            "estimated_note": "estimate for the target GPU (roofline; see estimates.assumptions)",
+            "measured_forward_time_s": perf.measured_time_s or None,
+            "measured_on": time_label if perf.measured_time_s else None,
+            "saved_activation_bytes": perf.saved_bytes or None,
+        },
+        "cost_note": None if perf and perf.cost else "no computation of its own",
         "plan": {"format": lp.format.value, "reason": lp.reason},
         "notes": L.notes,
     }
 
 
 def summary_dict(analysis: Analysis, step_times: dict[str, list[float]], time_label: str,
-                 estimate_note: str) -> dict[str, Any]:
+                 estimates: dict[str, float], target_name: str) -> dict[str, Any]:
     def times(key: str) -> dict[str, Any]:
         t = step_times.get(key)
+        est = estimates.get(key)
         return {
             "measured_s": min(t) if t else None,
             "measured_on": time_label if t else None,
             "measured_note": None if t else "not measured: the pass failed or --steps 0",
-            "estimated_s": None,
-            "estimated_note": estimate_note,
+            "estimated_s": est,
+            "estimated_note": (f"estimate for {target_name}: roofline over the shapes seen (see estimates)"
+                               if est is not None else f"not estimated: {target_name} has no peak for this format"),
         }
 
     out: dict[str, Any] = {"fp32": {"loss": analysis.reference_loss, "step_time": times("fp32")}}

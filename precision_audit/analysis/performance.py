@@ -1,0 +1,168 @@
+"""Alignment, cost and memory findings: how fast each format would be on the target, and what it holds.
+
+Estimates come from the cost model (cost.py) and are labelled as estimates; measured figures come from the
+capture's profiled steps and saved-tensor counts and are labelled with where they were measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..capture.ops import GemmOp
+from ..capture.records import CaptureResult, LayerRecord
+from ..formats import Format
+from ..gpus import GpuSpec
+from .alignment import REQUIRED_MULTIPLE, check_dims, padded, vocabulary_advice
+from .cost import ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, gemm_time, layer_cost
+
+# Formats the cost model estimates when the target supports them (TF32 needs no numerics run to be timed).
+ESTIMATED_FORMATS = (Format.FP32, Format.TF32, Format.BF16, Format.FP16)
+VOCAB_MIN = 1000  # an output dimension this large on an embedding or LM head is a vocabulary
+
+
+@dataclass
+class LayerPerformance:
+    alignment: list[dict[str, Any]]
+    cost: dict[str, Any] | None
+    saved_bytes: dict[str, int]
+    measured_time_s: dict[str, float]
+
+
+@dataclass
+class Performance:
+    layers: dict[str, LayerPerformance]
+    step_time_s: dict[str, float]  # estimated, per format
+    speedup_vs_fp32: dict[str, float]
+    formats: tuple[Format, ...]
+    memory: dict[str, Any]
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+    notes: list[str] = field(default_factory=list)
+
+
+def _element_bytes(rec: LayerRecord, fmt: Format) -> int:
+    """Element size of a module's elementwise traffic in ``fmt``: what its outputs were in that run."""
+    if fmt in (Format.FP32, Format.TF32):
+        return 4
+    fs = rec.formats.get(fmt)
+    if fs is None or not fs.output_dtypes:
+        return ELEMENT_BYTES[fmt]
+    return 4 if "float32" in fs.output_dtypes else ELEMENT_BYTES[fmt]
+
+
+def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...]) -> list[dict[str, Any]]:
+    efficient_tier = target.compute_capability >= (8, 0)
+    low = [f for f in formats if f in REQUIRED_MULTIPLE]
+    out = []
+    for g, calls in rec.ops.gemms.values():
+        dims_out = []
+        for fmt in low:
+            for d in check_dims(g, fmt, efficient_tier):
+                if d.aligned and d.efficient:
+                    continue
+                dims_out.append({
+                    "format": fmt.value, "dim": d.dim, "name": d.name, "size": d.size,
+                    "required_multiple": d.required_multiple, "suggested_size": d.suggested_size,
+                    "efficient_multiple": d.efficient_multiple, "efficient_size": d.efficient_size,
+                    "aligned": d.aligned, "tile_waste_pct": d.tile_waste_pct,
+                    "cost": ("misaligned: slower kernels (cost, not eligibility)" if not d.aligned
+                             else f"aligned to {d.required_multiple} but not to {d.efficient_multiple}: "
+                                  "below the most efficient tier"),
+                })
+        if not dims_out:
+            continue
+        time_s, padded_s = {}, {}
+        for fmt in low:
+            time_s[fmt.value] = gemm_time(g, fmt, target) * calls * STEP_OVER_FORWARD
+            padded_s[fmt.value] = gemm_time(padded(g, fmt), fmt, target) * calls * STEP_OVER_FORWARD
+        finding: dict[str, Any] = {
+            "op": g.op, "kind": g.kind, "gemm": {"m": g.m, "n": g.n, "k": g.k, "batch": g.batch},
+            "calls": calls, "flops": g.flops * calls, "dims": dims_out,
+            "estimated_step_time_s": time_s, "estimated_padded_step_time_s": padded_s,
+            "estimated_saving_s": {k: max(0.0, time_s[k] - padded_s[k]) for k in time_s},
+            "note": g.note,
+        }
+        big_out = [d for d in dims_out if d["dim"] == "N" and d["size"] >= VOCAB_MIN]
+        if big_out and (rec.type == "Linear" and ("head" in rec.name or "lm" in rec.name or "vocab" in rec.name
+                                                  or big_out[0]["size"] >= 30000)):
+            finding["vocabulary_advice"] = vocabulary_advice(big_out[0]["size"])
+        out.append(finding)
+    return out
+
+
+def _embedding_findings(rec: LayerRecord, module_shapes: dict[str, list[int]], target: GpuSpec) -> list[dict[str, Any]]:
+    shape = module_shapes.get(rec.name)
+    if rec.type != "Embedding" or not shape or shape[0] < VOCAB_MIN or shape[0] % 64 == 0:
+        return []
+    return [{"op": "embedding", "kind": "embedding", "gemm": None, "calls": rec.calls, "flops": 0,
+             "dims": [{"format": "any", "dim": "V", "name": "vocabulary (num_embeddings)", "size": shape[0],
+                       "required_multiple": 8, "suggested_size": -(-shape[0] // 8) * 8, "efficient_multiple": 64,
+                       "efficient_size": -(-shape[0] // 64) * 64, "aligned": shape[0] % 8 == 0,
+                       "tile_waste_pct": None,
+                       "cost": "the embedding itself is a gather; its size matters for a tied LM head"}],
+             "estimated_step_time_s": None, "estimated_padded_step_time_s": None, "estimated_saving_s": None,
+             "note": None, "vocabulary_advice": vocabulary_advice(shape[0])}]
+
+
+def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str, list[int]],
+                param_bytes: int, trainable_params: int) -> Performance:
+    """Alignment findings, per-layer and per-format cost estimates, and memory, from a finished capture."""
+    est_formats = tuple(f for f in ESTIMATED_FORMATS if target.supports(f.value))
+    layers: dict[str, LayerPerformance] = {}
+    totals = {f.value: 0.0 for f in est_formats}
+    for rec in capture.layers:
+        alignment = _gemm_findings(rec, target, capture.formats + ((Format.TF32,) if target.supports("tf32") else ()))
+        alignment += _embedding_findings(rec, module_shapes, target)
+        cost = None
+        if rec.ops.gemms or rec.ops.other_elements:
+            per_fmt = {}
+            for f in est_formats:
+                lc = layer_cost(rec.ops, f, target, _element_bytes(rec, f))
+                per_fmt[f.value] = lc.step_time_s
+                totals[f.value] += lc.step_time_s
+            cost = {"flops": rec.ops.gemm_flops, "gemm_ops": sum(c for _, c in rec.ops.gemms.values()),
+                    "other_ops": rec.ops.other_ops, "other_elements": rec.ops.other_elements,
+                    "estimated_step_time_s": per_fmt}
+        layers[rec.name] = LayerPerformance(alignment, cost, dict(rec.saved_bytes), dict(rec.measured_time_s))
+    base = totals.get("fp32") or 0.0
+    speedup = {k: (base / v if v > 0 else None) for k, v in totals.items()}
+    memory = _memory(capture, param_bytes, trainable_params)
+    return Performance(layers=layers, step_time_s=totals, speedup_vs_fp32=speedup, formats=est_formats,
+                       memory=memory)
+
+
+def _memory(capture: CaptureResult, param_bytes: int, trainable_params: int) -> dict[str, Any]:
+    grads = trainable_params * 4  # fp32 master gradients under autocast
+    per_run: dict[str, Any] = {}
+    for key, m in capture.memory.items():
+        act = m.get("activation_bytes", 0)
+        wc = m.get("weight_copy_bytes", 0)
+        per_run[key] = {
+            "parameters_bytes": param_bytes,
+            "gradients_bytes": grads,
+            "optimizer_bytes": {"adam": trainable_params * 8, "sgd_momentum": trainable_params * 4, "sgd": 0},
+            "saved_activation_bytes": act,
+            "saved_weight_copy_bytes": wc,
+            "total_with_adam_bytes": param_bytes + grads + trainable_params * 8 + act + wc,
+            "peak_gpu_bytes": m.get("peak_bytes"),
+            "peak_note": None if m.get("peak_bytes") is not None else "not measured: no GPU in this run",
+        }
+    advice = []
+    ref = per_run.get("fp32", {}).get("saved_activation_bytes")
+    for key, r in per_run.items():
+        if key == "fp32" or not ref:
+            continue
+        act = r["saved_activation_bytes"]
+        if act < ref:
+            advice.append(f"{key} saves {(ref - act) / 2**20:.2f} MiB of activations ({1 - act / ref:.0%} of FP32's "
+                          f"{ref / 2**20:.2f} MiB): about {ref / max(act, 1):.2f}x the batch fits in the same "
+                          "activation memory")
+    heavy = sorted(((rec.saved_bytes.get("fp32", 0), rec.name) for rec in capture.layers
+                    if rec.name and rec.is_leaf), reverse=True)[:3]
+    if heavy and ref:
+        names = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for b, n in heavy if b)
+        if names:
+            advice.append(f"the layers saving the most for backward (candidates for activation checkpointing): {names}")
+    return {"per_format": per_run, "advice": advice,
+            "note": "activations: tensors autograd saved for backward in each pass, counted once per storage "
+                    "(parameters excluded; in emulated mode fp16/bf16 values held in fp32 are counted at 2 bytes)"}

@@ -1,0 +1,93 @@
+"""Bytes the autograd graph keeps for backward, measured with ``saved_tensors_hooks`` during a forward.
+
+Each saved tensor is counted once per storage and attributed to the innermost module running when it was
+saved. Parameters (and views of them) are not activations and are left out; low-precision copies of
+parameters (autocast's weight casts) are counted apart. In emulated mode the GEMM inputs are fp32 tensors
+holding fp16/bf16 values (see emulation.py); they are registered there and counted at the size they have on
+a GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import emulation
+
+
+@dataclass
+class SavedTally:
+    activation_bytes: int = 0
+    weight_copy_bytes: int = 0
+    tensors: int = 0
+    by_module: dict[int, int] = field(default_factory=dict)  # id(module) -> activation bytes
+
+
+class SavedTensorCounter:
+    """Context manager counting the tensors saved for backward during a forward pass.
+
+    Example::
+
+        counter = SavedTensorCounter(model, current_module=lambda: None)
+        with counter:
+            loss = model(x).sum()
+        counter.tally.activation_bytes
+    """
+
+    def __init__(self, model: torch.nn.Module, current_module: Callable[[], int | None]) -> None:
+        self.tally = SavedTally()
+        self._current = current_module
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: set[int] = set()
+        self._hooks = None
+        self._registry: weakref.WeakValueDictionary | None = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except Exception:  # a tensor without storage (e.g. a subclass): nothing to count
+            return t
+        if ptr in self._seen or ptr == 0:
+            return t
+        self._seen.add(ptr)
+        if ptr in self._param_ptrs:
+            return t
+        nbytes = storage.nbytes()
+        info = self._registry.get(ptr) if self._registry is not None else None
+        if info is not None:
+            nbytes = nbytes * info.itemsize // info.tensor.element_size()
+            if info.from_parameter:
+                self.tally.weight_copy_bytes += nbytes
+                return t
+        elif _is_parameter_cast(t):
+            self.tally.weight_copy_bytes += nbytes
+            return t
+        self.tally.activation_bytes += nbytes
+        self.tally.tensors += 1
+        mid = self._current()
+        if mid is not None:
+            self.tally.by_module[mid] = self.tally.by_module.get(mid, 0) + nbytes
+        return t
+
+    def __enter__(self) -> "SavedTensorCounter":
+        self._registry = emulation.start_rounding_registry()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        emulation.stop_rounding_registry()
+        self._registry = None
+
+
+def _is_parameter_cast(t: torch.Tensor) -> bool:
+    """A cast of a leaf parameter (autocast's weight copy): ToCopyBackward0 -> AccumulateGrad."""
+    fn = t.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        return False
+    return any(nf is not None and type(nf).__name__ == "AccumulateGrad" for nf, _ in fn.next_functions)

@@ -1,0 +1,154 @@
+"""What ran: GEMM-family ops with their shapes, and the bytes every other op moved, per module.
+
+The reference forward records each compute op under the innermost module running it, so an ``x @ w.T``
+written inside a forward function is found and attributed like an ``nn.Linear``. A registry maps each
+GEMM-family aten op to its GEMM dimensions (M, N, K, batch) and the dimensions a person would pad (in/out
+features, channels, head dim). FLOPs come from ``torch.utils.flop_counter`` where it covers the op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import flop_counter
+
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class GemmOp:
+    """One GEMM-family op as executed: C[batch, M, N] = A[batch, M, K] @ B[batch, K, N]."""
+
+    op: str  # aten op name, e.g. "addmm"
+    kind: str  # "matmul" | "conv" | "attention"
+    m: int
+    n: int
+    k: int
+    batch: int
+    flops: int  # forward FLOPs (2 per multiply-add)
+    # dimensions worth padding, by the name a person knows them by: {"K": ("in_features", 1001), ...}
+    dims: tuple[tuple[str, str, int], ...]
+    note: str | None = None
+
+    def key(self) -> tuple:
+        return (self.op, self.kind, self.m, self.n, self.k, self.batch)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:
+    return a.shape[-2], b.shape[-1], a.shape[-1], (a.shape[0] if a.dim() == 3 else 1)
+
+
+def _gemm_dims(m: int, n: int, k: int) -> tuple[tuple[str, str, int], ...]:
+    return (("M", "rows (tokens = batch x sequence for a linear layer)", m),
+            ("N", "columns (output features)", n),
+            ("K", "reduction (input features)", k))
+
+
+def _matmul_like(name: str, a_idx: int, b_idx: int) -> Callable[[tuple, dict, Any], GemmOp]:
+    def f(args, kwargs, out) -> GemmOp:
+        a, b = args[a_idx], args[b_idx]
+        m, n, k, batch = _mm(a, b)
+        return GemmOp(name, "matmul", m, n, k, batch, 2 * batch * m * n * k, _gemm_dims(m, n, k))
+    return f
+
+
+def _mv(args, kwargs, out) -> GemmOp:
+    a = args[0] if args[0].dim() == 2 else args[1]
+    m, k = a.shape
+    return GemmOp("mv", "matmul", m, 1, k, 1, 2 * m * k, _gemm_dims(m, 1, k))
+
+
+def _conv(args, kwargs, out) -> GemmOp:
+    x, w = args[0], args[1]
+    transposed = bool(args[6]) if len(args) > 6 else False
+    groups = int(args[8]) if len(args) > 8 else 1
+    flops = int(flop_counter.conv_flop_count(list(x.shape), list(w.shape), list(out.shape), transposed=transposed))
+    c_in = x.shape[1]
+    c_out = w.shape[1] * groups if transposed else w.shape[0]
+    spatial = math.prod(out.shape[2:])
+    m = out.shape[0] * spatial
+    k = (c_in // groups) * math.prod(w.shape[2:])
+    note = "grouped/depthwise convolution: maps poorly onto Tensor Cores" if groups > 1 else None
+    return GemmOp("convolution", "conv", m, c_out, k, 1, flops,
+                  (("C_in", "input channels", c_in), ("C_out", "output channels", c_out)), note)
+
+
+def _sdpa_cpu(args, kwargs, out) -> GemmOp:
+    q, k_, v = args[0], args[1], args[2]
+    flops = int(flop_counter.sdpa_flop_count(list(q.shape), list(k_.shape), list(v.shape)))
+    b, h, l, e = q.shape
+    s = k_.shape[-2]
+    return GemmOp("scaled_dot_product_attention", "attention", l, s, e, b * h, flops,
+                  (("E", "head dimension", e),))
+
+
+# aten op -> how to read its GEMM dimensions (registering twice is an error, as in flop_counter).
+GEMM_REGISTRY: dict[Any, Callable[[tuple, dict, Any], GemmOp]] = {}
+
+
+def register_gemm(op: Any, fn: Callable[[tuple, dict, Any], GemmOp]) -> None:
+    if op in GEMM_REGISTRY:
+        raise ValueError(f"{op} is already registered")
+    GEMM_REGISTRY[op] = fn
+
+
+register_gemm(_aten.mm.default, _matmul_like("mm", 0, 1))
+register_gemm(_aten.addmm.default, _matmul_like("addmm", 1, 2))
+register_gemm(_aten._addmm_activation.default, _matmul_like("addmm", 1, 2))
+register_gemm(_aten.bmm.default, _matmul_like("bmm", 0, 1))
+register_gemm(_aten.baddbmm.default, _matmul_like("baddbmm", 1, 2))
+register_gemm(_aten.mv.default, _mv)
+register_gemm(_aten.addmv.default, lambda a, kw, o: _mv(a[1:], kw, o))
+register_gemm(_aten.convolution.default, _conv)
+register_gemm(_aten._scaled_dot_product_flash_attention_for_cpu.default, _sdpa_cpu)
+if hasattr(_aten, "_scaled_dot_product_flash_attention"):
+    register_gemm(_aten._scaled_dot_product_flash_attention.default, _sdpa_cpu)
+if hasattr(_aten, "_scaled_dot_product_efficient_attention"):
+    register_gemm(_aten._scaled_dot_product_efficient_attention.default, _sdpa_cpu)
+if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
+    register_gemm(_aten._scaled_dot_product_cudnn_attention.default, _sdpa_cpu)
+
+
+@dataclass
+class ModuleOps:
+    """Ops one module ran itself (not through its children), aggregated over its calls."""
+
+    gemms: dict[tuple, tuple[GemmOp, int]] = field(default_factory=dict)  # key -> (op, count)
+    other_elements: int = 0  # elements read + written by its non-GEMM compute ops
+    other_ops: int = 0
+
+    def add_gemm(self, g: GemmOp) -> None:
+        key = g.key()
+        old = self.gemms.get(key)
+        self.gemms[key] = (g, (old[1] if old else 0) + 1)
+
+    @property
+    def gemm_flops(self) -> int:
+        return sum(g.flops * c for g, c in self.gemms.values())
+
+
+def _elements(x: Any) -> int:
+    n = 0
+    if isinstance(x, torch.Tensor):
+        return x.numel() if x.is_floating_point() else 0
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            n += _elements(v)
+    return n
+
+
+def record_op(ops: ModuleOps, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Add one executed op to a module's tally."""
+    reader = GEMM_REGISTRY.get(func)
+    if reader is not None:
+        try:
+            ops.add_gemm(reader(args, kwargs, out))
+            return
+        except Exception:  # an unusual overload or layout: count its bytes rather than guess its GEMM
+            pass
+    ops.other_ops += 1
+    ops.other_elements += _elements(args) + _elements(out)
