@@ -31,7 +31,7 @@ from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
 from .loading import Batch, LossSpec, load_batch, load_model, output_structure, resolve_loss
 from .outputs import check_out_dir, write_files
-from .planning.rules import Plan, make_plan
+from .planning.rules import Plan, make_planned
 from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, clean, layer_dict, summary_dict
 
@@ -172,7 +172,7 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
     if mode == "cuda":
         say("timing misaligned GEMMs against their padded sizes on the GPU")
         _measure_gemms_on_gpu(capture, perf, target, device, formats)
-    plan = make_plan(analysis, formats, target.name)
+    plan, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
     fp, n_modules = fingerprint(model)
     policy = _policy(model, fp, n_modules, target, plan, analysis)
     safe = [f.value for f, s in analysis.summaries.items() if s.safe]
@@ -226,6 +226,10 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         "layers": [layer_dict(L, plan, perf.layers.get(L.name), time_label) for L in analysis.layers],
         "plan": {
             "source": plan.source,
+            "predicted_loss_change": planner_result.predicted_loss_change if planner_result else None,
+            "loss_budget": planner_result.loss_budget if planner_result else None,
+            "promotions": planner_result.promotions if planner_result else [],
+            "estimated_step_time_s": planner_result.estimated_time_s if planner_result else None,
             "default_format": plan.default_format.value,
             "default_reason": plan.default_reason,
             "overrides": {k: {"format": v.format.value, "reason": v.reason} for k, v in plan.overrides.items()},

@@ -99,3 +99,97 @@ def _median_local(layers: list[LayerFinding], fmt: Format) -> float | None:
         if L.name and e and e.local and not e.local.nonfinite and e.local.rel_l2 > 0:
             vals.append(e.local.rel_l2)
     return statistics.median(vals) if vals else None
+
+
+def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Format, ...], target_name: str,
+                 model) -> tuple[Plan, "PlannerResult | None"]:
+    """The cost-aware plan (planner.py) when first-order impacts were measured, else the plain rules."""
+    from .planner import Candidate, plan_formats
+
+    default, why = choose_default(candidates_formats, target_name)
+    if default is Format.FP32:
+        return make_plan(analysis, candidates_formats, target_name), None
+    by_name = {L.name: L for L in analysis.layers}
+    records = {r.name: r for r in capture.layers}
+    groups = _tied_groups(model)
+    cands = []
+    for r in capture.layers:
+        if not r.name or not r.ops.gemms:
+            continue  # without a GEMM of its own, autocast's op policy decides its precision, not the plan
+        cost = (perf.layers.get(r.name).cost or {}) if perf.layers.get(r.name) else {}
+        times = {Format(k): v for k, v in (cost.get("estimated_step_time_s") or {}).items()}
+        if Format.FP32 not in times:
+            continue
+        L = by_name[r.name]
+        impact: dict[Format, float | None] = {}
+        overflow: dict[Format, str] = {}
+        for f in candidates_formats:
+            fs = r.formats.get(f)
+            err = L.errors.get(f)
+            if fs is None or err is None:
+                impact[f] = None
+                continue
+            if fs.impact_measured:
+                impact[f] = fs.loss_impact_abs
+            elif err.local is not None and err.local.rel_l2 == 0:
+                impact[f] = 0.0
+            else:
+                impact[f] = None
+            if L.activation.overflows(f):
+                frac = L.activation.fractions[f.value]["overflow"]
+                overflow[f] = (f"{f} output reaches {L.activation.amax:.3g} > {_fmt_value(SPECS[f].max)} "
+                               f"({frac:.1%} of its values overflow)")
+            elif err.local is not None and err.local.nonfinite:
+                overflow[f] = f"{f} re-run on exact inputs gives {err.local.nonfinite} non-finite value(s)"
+            elif f is Format.FP16 and (L.gradient.output_fp16_at_recommended or {}).get("overflow", 0) > 0:
+                overflow[f] = "its gradients overflow fp16 even at the recommended loss scale"
+        cands.append(Candidate(name=r.name, flops=r.ops.gemm_flops, time_s=times, impact=impact,
+                               overflow=overflow, group=groups.get(r.name),
+                               local_error={f: (L.errors[f].local.rel_l2 if L.errors.get(f) and L.errors[f].local
+                                                else None) for f in candidates_formats}))
+    if not cands:
+        return make_plan(analysis, candidates_formats, target_name), None
+    result = plan_formats(cands, candidates_formats, analysis.reference_loss, analysis.budget.max_loss_rel_change)
+    # the default is the format that covers most GEMM FLOPs (ties: the preferred one)
+    flops: dict[Format, int] = {}
+    for c in cands:
+        f = result.decisions[c.name].format
+        flops[f] = flops.get(f, 0) + max(c.flops, 1)
+    low = {f: n for f, n in flops.items() if f is not Format.FP32} or flops
+    from .planner import FORMAT_PREFERENCE
+
+    default = max(low, key=lambda f: (low[f], -FORMAT_PREFERENCE.index(f)))
+    plan = Plan(default_format=default, default_reason=why if default is choose_default(candidates_formats, target_name)[0]
+                else f"{default} covers most of the GEMM FLOPs in the plan", source="planner")
+    pinned_parents = {n: d.format for n, d in result.decisions.items()
+                      if d.format is not default and not records[n].is_leaf}
+    for L in analysis.layers:
+        d = result.decisions.get(L.name)
+        inherited = next((f for p, f in pinned_parents.items() if L.name.startswith(p + ".")), None)
+        if d is not None:
+            lp = LayerPlan(d.format, d.reason)
+            if d.format is not (inherited or default):
+                plan.overrides[L.name] = lp
+        else:
+            fmt = inherited or default
+            lp = LayerPlan(fmt, "inside a module planned as " + str(fmt) if inherited else
+                           "default format" + ("" if L.name == "" else
+                                               " (no GEMM of its own: autocast's op policy decides its precision)"
+                                               if L.computes else " (no computation of its own)"))
+        plan.layers[L.name] = lp
+    return plan, result
+
+
+def _tied_groups(model) -> dict[str, str]:
+    """Modules sharing a parameter object get one group name (weight tying: one format for all)."""
+    owners: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    groups: dict[str, str] = {}
+    for names in owners.values():
+        if len(names) > 1:
+            g = "+".join(sorted(names))
+            for n in names:
+                groups[n] = g
+    return groups

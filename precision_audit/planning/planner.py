@@ -1,0 +1,181 @@
+"""The per-module precision planner (DESIGN §5).
+
+Each compute module gets the format that makes the target's estimated step time smallest while the error
+budget holds, and never a format whose range its activations or gradients overflow. Sensitivity comes from
+measurements the capture already took — each module's first-order loss impact |<dL/dy, y_p - y>| from its
+local re-run — so planning costs no extra model passes; the plan is then checked by one verification run and
+repaired (audit.py) while the budget is broken.
+
+The additive model: the loss change of a plan is at most the sum of its modules' first-order impacts
+(triangle inequality; exact to first order). Modules that share parameters form one group and one format.
+Ties break deterministically: the format order below (BF16 first: no loss scaling), then smaller impact, then
+the module name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..formats import Format
+
+# When two formats cost the same, prefer the one listed first: BF16 keeps FP32's range (no loss scaling).
+FORMAT_PREFERENCE = (Format.BF16, Format.FP16, Format.TF32, Format.FP32)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A module the planner chooses a format for, with what was measured about it."""
+
+    name: str
+    flops: int  # forward GEMM FLOPs of its own
+    time_s: dict[Format, float]  # estimated step time of its own ops per format on the target (fp32 included)
+    impact: dict[Format, float | None]  # |first-order loss impact| per measured low format; None: not measured
+    overflow: dict[Format, str]  # formats it must not run in, with the reason
+    group: str | None = None  # modules sharing parameters share a group name
+    local_error: dict[Format, float | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    format: Format
+    reason: str
+
+
+@dataclass
+class PlannerResult:
+    decisions: dict[str, Decision]
+    loss_budget: float  # absolute loss change allowed
+    predicted_loss_change: float  # sum of the chosen formats' impacts
+    estimated_time_s: float
+    promotions: list[str] = field(default_factory=list)  # human-readable log of the budget repairs
+
+    def low_precision_flop_share(self, candidates: list[Candidate]) -> float:
+        total = sum(c.flops for c in candidates)
+        low = sum(c.flops for c in candidates if self.decisions[c.name].format not in (Format.FP32,))
+        return low / total if total else 0.0
+
+
+def _order(fmt: Format) -> int:
+    return FORMAT_PREFERENCE.index(fmt) if fmt in FORMAT_PREFERENCE else len(FORMAT_PREFERENCE)
+
+
+@dataclass
+class _Group:
+    name: str
+    members: list[Candidate]
+
+    def time(self, f: Format) -> float:
+        return sum(c.time_s.get(f, c.time_s.get(Format.FP32, 0.0)) for c in self.members)
+
+    def impact(self, f: Format) -> float:
+        if f in (Format.FP32,):
+            return 0.0
+        vals = [c.impact.get(f) for c in self.members]
+        if any(v is None for v in vals):
+            return math.inf
+        return sum(vals)  # type: ignore[arg-type]
+
+    def blocked(self, f: Format) -> str | None:
+        for c in self.members:
+            if f in c.overflow:
+                return f"{c.name}: {c.overflow[f]}"
+        return None
+
+
+def plan_formats(candidates: list[Candidate], formats: tuple[Format, ...], reference_loss: float,
+                 max_loss_rel_change: float) -> PlannerResult:
+    """Choose a format per candidate. ``formats``: the low-precision formats measured and supported.
+
+    Example::
+
+        result = plan_formats(cands, (Format.BF16, Format.FP16), reference_loss=2.3, max_loss_rel_change=1e-2)
+        result.decisions["lm_head"].format
+    """
+    groups: dict[str, _Group] = {}
+    for c in sorted(candidates, key=lambda c: c.name):
+        key = c.group or c.name
+        groups.setdefault(key, _Group(key, [])).members.append(c)
+    budget = max_loss_rel_change * abs(reference_loss) if reference_loss else max_loss_rel_change
+    options = tuple(sorted(set(formats), key=_order)) + (Format.FP32,)
+
+    choice: dict[str, Format] = {}
+    why_not: dict[str, list[str]] = {}
+    for g in groups.values():
+        allowed = []
+        for f in options:
+            reason = g.blocked(f) if f is not Format.FP32 else None
+            if reason:
+                why_not.setdefault(g.name, []).append(f"{f} not allowed ({reason})")
+            elif g.impact(f) == math.inf:
+                why_not.setdefault(g.name, []).append(f"{f} not measured for it")
+            else:
+                allowed.append(f)
+        choice[g.name] = min(allowed, key=lambda f: (g.time(f), _order(f), g.impact(f)))
+
+    promotions: list[str] = []
+
+    def total() -> float:
+        return sum(groups[n].impact(f) for n, f in choice.items())
+
+    first = dict(choice)
+    # a floor on the time a move costs, so that free moves with negligible gains do not crowd out real fixes
+    floor = 0.01 * sum(g.time(Format.FP32) for g in groups.values()) / max(1, len(groups))
+    while total() > budget:
+        best = None
+        for n in sorted(groups):
+            g, cur = groups[n], choice[n]
+            for f in options:
+                if f == cur or (f is not Format.FP32 and (g.blocked(f) or g.impact(f) == math.inf)):
+                    continue
+                gain = g.impact(cur) - g.impact(f)
+                if gain <= 0:
+                    continue
+                extra = max(g.time(f) - g.time(cur), 0.0)
+                score = (gain / (extra + floor + 1e-30), gain, -_order(f))
+                if best is None or score > best[0]:
+                    best = (score, n, f)
+        if best is None:
+            break
+        _, n, f = best
+        promotions.append(f"{n}: {choice[n]} -> {f} (its first-order loss impact {groups[n].impact(choice[n]):.2e} "
+                          f"is the best saving per unit of time; predicted total {total():.2e} > budget {budget:.2e})")
+        choice[n] = f
+    # undo the moves the budget turned out not to need (latest first)
+    for n in reversed([p.split(":", 1)[0] for p in promotions]):
+        if choice[n] != first[n]:
+            keep = choice[n]
+            choice[n] = first[n]
+            if total() > budget:
+                choice[n] = keep
+            else:
+                promotions = [p for p in promotions if not p.startswith(n + ":")]
+
+    predicted = total()
+    decisions: dict[str, Decision] = {}
+    for n, f in choice.items():
+        g = groups[n]
+        promoted = next((p for p in promotions if p.startswith(n + ":")), None)
+        if promoted:
+            first = _first_choice(g, options)
+            rel = g.impact(first) / abs(reference_loss) if reference_loss else g.impact(first)
+            reason = (f"{f}: {first} alone adds {rel:.2%} to the loss (first-order estimate "
+                      f"{g.impact(first):.2e}); the plan's budget is {max_loss_rel_change:.2%}")
+        elif f is Format.FP32:
+            reason = "fp32: " + ("; ".join(why_not.get(n, [])) or "no low-precision format is faster")
+        else:
+            reason = (f"{f}: the fastest format whose range holds its values (est. {g.time(f) * 1e6:.3g} us/step vs "
+                      f"{g.time(Format.FP32) * 1e6:.3g} in fp32); first-order loss impact {g.impact(f):.2e}")
+            if why_not.get(n):
+                reason += "; " + "; ".join(why_not[n])
+        if len(g.members) > 1:
+            reason += f" (shares parameters with {', '.join(m.name for m in g.members)}: one format for all)"
+        for c in g.members:
+            decisions[c.name] = Decision(f, reason)
+    est = sum(groups[n].time(f) for n, f in choice.items())
+    return PlannerResult(decisions, budget, predicted, est, promotions)
+
+
+def _first_choice(g: _Group, options: tuple[Format, ...]) -> Format:
+    allowed = [f for f in options if f is Format.FP32 or (not g.blocked(f) and g.impact(f) != math.inf)]
+    return min(allowed, key=lambda f: (g.time(f), _order(f), g.impact(f)))
