@@ -112,10 +112,41 @@ def _select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, 
     return tuple(chosen), skipped
 
 
+@dataclass
+class AuditComputation:
+    """Everything the audit measured and decided, before anything is written."""
+
+    audit: dict[str, Any]
+    policy: Policy
+    exit_code: int
+    analysis: Analysis
+    plan: Plan
+    capture: Any
+    model: torch.nn.Module
+
+
 def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResult:
     """Run the whole audit and write report.html, policy.json and audit.json into ``opts.out``."""
     say = progress or (lambda msg: None)
     check_out_dir(opts.out)
+    c = compute_audit(opts, progress)
+    say("writing report.html, policy.json and audit.json")
+    from .report.html import render_html  # jinja2 only when writing
+
+    html = render_html(c.audit, c.policy.to_dict())
+    files = write_files(opts.out, {
+        "audit.json": json.dumps(c.audit, indent=1, allow_nan=False) + "\n",
+        "policy.json": json.dumps(c.policy.to_dict(), indent=2, allow_nan=False) + "\n",
+        "report.html": html,
+        **{f"tb/{name}": data for name, data in c.capture.traces.items()},
+    })
+    return AuditResult(audit=c.audit, policy=c.policy, html=html, exit_code=c.exit_code, files=files,
+                       analysis=c.analysis, plan=c.plan)
+
+
+def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditComputation:
+    """The audit without the outputs: load, capture, analyse, plan; returns audit.json's content."""
+    say = progress or (lambda msg: None)
 
     say("loading the model and the batch")
     model, source = load_model(opts.model)
@@ -163,18 +194,23 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
             session.timed_steps(opts.steps)
         capture = session.result()
 
-    say("analysing")
-    analysis = analyse(capture, opts.budget)
-    shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
-    perf = performance(capture, target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
-                       sum(p.numel() for p in model.parameters() if p.requires_grad))
-    if mode == "cuda":
-        say("timing misaligned GEMMs against their padded sizes on the GPU")
-        _measure_gemms_on_gpu(capture, perf, target, device, formats)
-    plan, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
-    fp, n_modules = fingerprint(model)
-    policy = _policy(model, fp, n_modules, target, plan, analysis)
+        say("analysing")
+        analysis = analyse(capture, opts.budget)
+        shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
+        perf = performance(capture, target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
+                           sum(p.numel() for p in model.parameters() if p.requires_grad))
+        if mode == "cuda":
+            say("timing misaligned GEMMs against their padded sizes on the GPU")
+            _measure_gemms_on_gpu(capture, perf, target, device, formats)
+        plan, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
+        fp, n_modules = fingerprint(model)
+        policy = _policy(model, fp, n_modules, target, plan, analysis)
+        verification = None
+        if planner_result is not None:
+            say("verifying the plan (one pass with the policy applied)")
+            plan, policy, verification = _verify_and_repair(session, model, fp, n_modules, target, plan, policy,
+                                                            analysis, planner_result, say)
     safe = [f.value for f, s in analysis.summaries.items() if s.safe]
     exit_code = 0 if (safe or not formats) else 1
 
@@ -230,6 +266,7 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
             "loss_budget": planner_result.loss_budget if planner_result else None,
             "promotions": planner_result.promotions if planner_result else [],
             "estimated_step_time_s": planner_result.estimated_time_s if planner_result else None,
+            "verification": verification,
             "default_format": plan.default_format.value,
             "default_reason": plan.default_reason,
             "overrides": {k: {"format": v.format.value, "reason": v.reason} for k, v in plan.overrides.items()},
@@ -239,19 +276,8 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings
         + _rnn_warning(model, mode),
     }
-    audit = clean(audit)
-    say("writing report.html, policy.json and audit.json")
-    from .report.html import render_html  # jinja2 only when writing
-
-    html = render_html(audit, policy.to_dict())
-    files = write_files(opts.out, {
-        "audit.json": json.dumps(audit, indent=1, allow_nan=False) + "\n",
-        "policy.json": json.dumps(policy.to_dict(), indent=2, allow_nan=False) + "\n",
-        "report.html": html,
-        **{f"tb/{name}": data for name, data in capture.traces.items()},
-    })
-    return AuditResult(audit=audit, policy=policy, html=html, exit_code=exit_code, files=files,
-                       analysis=analysis, plan=plan)
+    return AuditComputation(audit=clean(audit), policy=policy, exit_code=exit_code, analysis=analysis, plan=plan,
+                            capture=capture, model=model)
 
 
 def _policy(model, fp: str, n_modules: int, target: GpuSpec, plan: Plan, analysis: Analysis) -> Policy:
@@ -284,6 +310,64 @@ def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: t
         return f"recommended: {plan.default_format} by default{pins}. Safe as is: {', '.join(safe)}"
     return (f"unsafe in every audited format as is ({', '.join(f.value for f in formats)}); "
             f"the policy runs {plan.default_format} by default{pins}")
+
+
+MAX_REPAIRS = 4
+
+
+def _verify_and_repair(session, model, fp, n_modules, target, plan, policy, analysis, result, say):
+    """Run the plan once; while it breaks the budget, promote the most sensitive low-precision modules to fp32
+    (one, then half of the rest, bisection-style) and run it again. Returns (plan, policy, verification)."""
+    from .planning.rules import LayerPlan
+
+    budget = analysis.budget
+    ref = analysis.reference_loss
+    default = plan.default_format if plan.default_format in LOW_PRECISION_DTYPES else None
+    passes, repairs = 0, []
+
+    def check(pol):
+        nonlocal passes
+        passes += 1
+        run = session.verify_plan(pol, default)
+        loss_change = (abs(run.loss - ref) / abs(ref) if ref else abs(run.loss)) if run.loss is not None else math.inf
+        out_err = run.output.rel_l2 if run.output else math.inf
+        ok = (run.error is None and math.isfinite(loss_change) and loss_change <= budget.max_loss_rel_change
+              and out_err <= budget.max_output_rel_error)
+        return run, loss_change, out_err, ok
+
+    run, loss_change, out_err, ok = check(policy)
+    remaining = sorted(((d, n) for n, d in result.decisions.items() if d.format is not Format.FP32),
+                       key=lambda x: (-_impact_of(session, x[1], x[0].format), x[1]))
+    while not ok and remaining and len(repairs) < MAX_REPAIRS:
+        take = 1 if not repairs else max(1, len(remaining) // 2)
+        batch, remaining = remaining[:take], remaining[take:]
+        for d, n in batch:
+            reason = (f"fp32: the verification pass broke the budget (loss change {loss_change:.2e}, output error "
+                      f"{out_err:.2e}); it was the most sensitive module left in {d.format}")
+            plan.overrides[n] = LayerPlan(Format.FP32, reason)
+            plan.layers[n] = plan.overrides[n]
+            repairs.append(f"{n}: {d.format} -> fp32")
+        policy = _policy(model, fp, n_modules, target, plan, analysis)
+        run, loss_change, out_err, ok = check(policy)
+    verification = {
+        "passes": passes,
+        "loss": run.loss,
+        "loss_rel_change": loss_change,
+        "output_rel_error": out_err,
+        "within_budget": ok,
+        "repairs": repairs,
+        "error": run.error,
+    }
+    say(f"plan verified: loss change {loss_change:.2e}, output error {out_err:.2e}"
+        + ("" if ok else " (budget still broken)") + (f"; {len(repairs)} repair(s)" if repairs else ""))
+    return plan, policy, verification
+
+
+def _impact_of(session, name: str, fmt: Format) -> float:
+    for r in session.layers.values():
+        if r.name == name and fmt in r.formats:
+            return r.formats[fmt].loss_impact_abs
+    return 0.0
 
 
 def _measure_gemms_on_gpu(capture, perf, target: GpuSpec, device: str, formats: tuple[Format, ...]) -> None:

@@ -511,6 +511,35 @@ class CaptureSession:
         self.runs[fmt] = run
         return run
 
+    def verify_plan(self, policy: Any, default: Format | None) -> RunRecord:
+        """One forward with ``policy`` applied (runtime's Policy.apply): its loss and output vs the FP32 reference.
+
+        The plan's default format runs as in the format passes; modules the policy overrides run in their own
+        format inside it (fp32: autocast off, inputs cast up). Forward only: the budget is on loss and output.
+        """
+        self._reset()
+        run = RunRecord(format=default or Format.FP32)
+        device_type = "cuda" if self.config.mode == "cuda" else "cpu"
+        handle = policy.apply(self.model, device_type=device_type)
+        try:
+            with torch.no_grad(), (self._autocast(default) if default else contextlib.nullcontext()):
+                out = self._forward(self.model)
+                loss = self._loss_of(out)
+            run.loss = float(loss.detach().float())
+            ref = self._ref_outputs.get(id(self.model))
+            ys = float_tensors(out)
+            if ref and len(ref[0]) == len(ys):
+                run.output = ErrorStats()
+                for r, y in zip(ref[0], ys):
+                    run.output.update(r, y)
+                run.output_nonfinite = run.output.nonfinite
+        except Exception as e:  # the plan itself fails: reported as a broken plan, not a crash
+            run.error = f"{type(e).__name__}: {e}"
+        finally:
+            handle.remove()
+            self._stack.clear()
+        return run
+
     def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
         """Clean forward+backward steps per format under torch.profiler, timed on this machine's device.
 
