@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 from .errors import AuditError  # noqa: E402
 from .formats import Format  # noqa: E402
+from .policy.io import load_policy  # noqa: E402
 from .policy.schema import Policy  # noqa: E402
 
 
@@ -22,4 +23,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "run_audit", "__version__"]
+__all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "load_policy", "run_audit", "__version__"]

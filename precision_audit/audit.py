@@ -32,7 +32,7 @@ from .hardware import HardwareInfo, default_target, detect
 from .loading import Batch, LossSpec, load_batch, load_model, output_structure, resolve_loss
 from .outputs import check_out_dir, write_files
 from .planning.rules import Plan, make_planned
-from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint
+from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, clean, layer_dict, summary_dict
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,9 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         "report.html": html,
         **{f"tb/{name}": data for name, data in c.capture.traces.items()},
     })
+    from .report.tensorboard import write_scalars  # tensorboard only when writing
+
+    files.append(write_scalars(c.audit, opts.out / "tb" / "audit"))
     return AuditResult(audit=c.audit, policy=c.policy, html=html, exit_code=c.exit_code, files=files,
                        analysis=c.analysis, plan=c.plan)
 
@@ -299,6 +302,7 @@ def _policy(model, fp: str, n_modules: int, target: GpuSpec, plan: Plan, analysi
         tf32_matmul=tf32,
         tf32_cudnn=tf32,
         tool_version=__version__,
+        model_layout=model_layout(model),
     )
 
 
@@ -342,7 +346,7 @@ def _verify_and_repair(session, model, fp, n_modules, target, plan, policy, anal
         take = 1 if not repairs else max(1, len(remaining) // 2)
         batch, remaining = remaining[:take], remaining[take:]
         for d, n in batch:
-            reason = (f"fp32: the verification pass broke the budget (loss change {loss_change:.2e}, output error "
+            reason = (f"the verification pass broke the budget (loss change {loss_change:.2e}, output error "
                       f"{out_err:.2e}); it was the most sensitive module left in {d.format}")
             plan.overrides[n] = LayerPlan(Format.FP32, reason)
             plan.layers[n] = plan.overrides[n]

@@ -24,6 +24,12 @@ of keyword arguments; it is loaded with weights_only=True.
 
 Other commands:
   precision-audit targets        the GPU table (--target names and aliases)
+  precision-audit verify MODEL --batch BATCH --policy POLICY [--steps N] [--out DIR]
+                                 A/B short training: FP32 vs the policy vs plain BF16 / FP16
+  precision-audit report AUDIT_JSON [--out DIR]
+                                 re-render report.html from a saved audit.json (no model run)
+  precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp [--out FILE]
+                                 the policy as another stack's precision settings
 
 Exit codes: 0 done; 1 unsafe as is in every audited format; 2 bad input (message only).
 """
@@ -81,30 +87,6 @@ def _audit_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _summary_text(audit: dict) -> str:
-    from .report.html import fmt_num
-
-    lines = [f"precision-audit: {audit['model']['class']} ({audit['model']['parameters']:,} parameters), "
-             f"target {audit['target']['name']}, {audit['mode']} mode"]
-    head = f"  {'format':<7} {'loss':>12} {'loss change':>12} {'output err':>11} {'non-finite':>10}  verdict"
-    lines.append(head)
-    lines.append(f"  {'fp32':<7} {fmt_num(audit['summary']['fp32']['loss'], 6):>12} {'—':>12} {'—':>11} {'—':>10}  reference")
-    for f in audit["formats"]:
-        s = audit["summary"][f]
-        out = s["output"]["rel_l2"] if s["output"] else None
-        lines.append(f"  {f:<7} {fmt_num(s['loss'], 6):>12} {fmt_num(s['loss_rel_change']):>12} {fmt_num(out):>11} "
-                     f"{s['nonfinite']['outputs']:>10}  {s['verdict']}")
-    for s in audit["formats_skipped"]:
-        lines.append(f"  {s['format']:<7} {s['reason']}")
-    ls = audit.get("loss_scale")
-    if ls:
-        lines.append(f"  fp16 loss scale: {fmt_num(ls['recommended_init_scale'])} — {ls['reason']}")
-    lines.append(f"  plan: {audit['verdict']['message']}")
-    for name, o in audit["plan"]["overrides"].items():
-        lines.append(f"    {name or '(model)'} -> {o['format']}: {o['reason']}")
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -116,6 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             print(format_targets_table())
             return 0
+        if argv and argv[0] == "report":
+            from .cli_report import report_main
+
+            return report_main(argv[1:])
+        if argv and argv[0] == "export":
+            from .cli_export import export_main
+
+            return export_main(argv[1:])
+        if argv and argv[0] == "verify":
+            from .cli_verify import verify_main
+
+            return verify_main(argv[1:])
         return _run_audit(argv)
     except AuditError as e:
         print(f"precision-audit: error: {e.message}", file=sys.stderr)
@@ -140,15 +134,11 @@ def _run_audit(argv: list[str]) -> int:
         formats=parse_formats(args.formats) if args.formats else None, device=args.device,
         emulate=args.emulate, steps=args.steps, seed=args.seed, budget=_budget(args.budget),
     )
-    step = [0]
-
-    def progress(msg: str) -> None:
-        step[0] += 1
-        if not args.quiet:
-            print(f"[{step[0]}] {msg}", file=sys.stderr, flush=True)
+    from .report.terminal import Progress, summary_text
 
     try:
-        result = run_audit(opts, progress)
+        with Progress(quiet=args.quiet) as progress:
+            result = run_audit(opts, progress)
     except torch.OutOfMemoryError as e:
         raise AuditError("the device ran out of memory during the audit", found=str(e).splitlines()[0][:200],
                          hint="use a smaller batch, or run with --device cpu") from e
@@ -157,7 +147,7 @@ def _run_audit(argv: list[str]) -> int:
                           "loss_scale": result.audit["loss_scale"], "plan": result.audit["plan"],
                           "files": [str(f) for f in result.files]}, indent=1))
     else:
-        print(_summary_text(result.audit))
+        print(summary_text(result.audit))
         print(f"  wrote: {', '.join(str(f) for f in result.files)}")
     return result.exit_code
 

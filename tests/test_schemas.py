@@ -66,7 +66,8 @@ def test_cross_field_consistency(sample_audits, name):
     assert len(names) == len(set(names))
     assert len(names) <= audit["model"]["modules"]
     assert set(audit["verdict"]["safe_formats"]) <= formats
-    assert policy["model"] == {k: audit["model"][k] for k in ("class", "fingerprint", "modules")}
+    assert {k: policy["model"][k] for k in ("class", "fingerprint", "modules")} == \
+        {k: audit["model"][k] for k in ("class", "fingerprint", "modules")}
     assert policy["default_format"] == audit["plan"]["default_format"]
     assert set(policy["modules"]) == set(audit["plan"]["overrides"])
 

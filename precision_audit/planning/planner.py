@@ -159,12 +159,12 @@ def plan_formats(candidates: list[Candidate], formats: tuple[Format, ...], refer
         if promoted:
             first = _first_choice(g, options)
             rel = g.impact(first) / abs(reference_loss) if reference_loss else g.impact(first)
-            reason = (f"{f}: {first} alone adds {rel:.2%} to the loss (first-order estimate "
+            reason = (f"{first} alone adds {rel:.2%} to the loss (first-order estimate "
                       f"{g.impact(first):.2e}); the plan's budget is {max_loss_rel_change:.2%}")
         elif f is Format.FP32:
-            reason = "fp32: " + ("; ".join(why_not.get(n, [])) or "no low-precision format is faster")
+            reason = "; ".join(why_not.get(n, [])) or "no low-precision format is faster"
         else:
-            reason = (f"{f}: the fastest format whose range holds its values (est. {g.time(f) * 1e6:.3g} us/step vs "
+            reason = (f"the fastest format whose range holds its values (est. {g.time(f) * 1e6:.3g} us/step vs "
                       f"{g.time(Format.FP32) * 1e6:.3g} in fp32); first-order loss impact {g.impact(f):.2e}")
             if why_not.get(n):
                 reason += "; " + "; ".join(why_not[n])

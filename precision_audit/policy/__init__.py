@@ -1,5 +1,26 @@
-"""The precision policy format (policy.json, schema ``precision-audit/policy`` version 1)."""
+"""The precision policy format (policy.json, schema ``precision-audit/policy`` version 1; docs/policy.md).
 
-from .schema import POLICY_SCHEMA_ID, POLICY_VERSION, LossScaling, ModuleOverride, Policy, fingerprint
+Imports nothing from the audit machinery: a training script that loads a policy pulls in torch and this.
+"""
 
-__all__ = ["POLICY_SCHEMA_ID", "POLICY_VERSION", "LossScaling", "ModuleOverride", "Policy", "fingerprint"]
+from .io import dumps_policy, load_policy, parse_policy, save_policy
+from .schema import (
+    POLICY_FORMATS,
+    POLICY_SCHEMA_ID,
+    POLICY_VERSION,
+    RUNTIME_FORMATS,
+    SUPPORTED_VERSIONS,
+    LossScaling,
+    ModuleOverride,
+    Policy,
+    fingerprint,
+    model_layout,
+    named_modules,
+    unwrap_model,
+)
+
+__all__ = [
+    "POLICY_FORMATS", "POLICY_SCHEMA_ID", "POLICY_VERSION", "RUNTIME_FORMATS", "SUPPORTED_VERSIONS",
+    "LossScaling", "ModuleOverride", "Policy", "dumps_policy", "fingerprint", "load_policy", "model_layout",
+    "named_modules", "parse_policy", "save_policy", "unwrap_model",
+]

@@ -1,0 +1,52 @@
+"""``precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp [--out FILE]``.
+
+Writes the nearest equivalent of a policy for another training stack (:mod:`precision_audit.policy.exporters`)
+to stdout, or atomically to ``--out``; what the target cannot express is written into the output (a
+``precision_audit`` key in JSON, a comment block in Python) and, with ``--out``, also listed on stderr.
+User errors raise :class:`~precision_audit.errors.AuditError` subclasses (exit code 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .policy.exporters import EXPORT_TARGETS, export_policy
+from .policy.io import load_policy
+
+DESCRIPTION = """\
+Export a precision-audit policy to the settings another training stack reads:
+  deepspeed   DeepSpeed config fragment (JSON): the fp16 block (initial_scale_power, loss_scale_window,
+              hysteresis, min_loss_scale) or the bf16 block
+  lightning   Python: Trainer precision / MixedPrecision plugin with the policy's GradScaler + per-module part
+  accelerate  Python: Accelerator(mixed_precision=..., GradScalerKwargs) + per-module part
+  fsdp        Python: FSDP MixedPrecision / FSDP2 MixedPrecisionPolicy, per-module units, ShardedGradScaler
+Each output says what the target cannot express (e.g. DeepSpeed has no per-module formats).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="precision-audit export", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("policy", metavar="POLICY", help="policy.json written by precision-audit (or its folder)")
+    p.add_argument("--to", required=True, choices=EXPORT_TARGETS, help="the training stack to export to")
+    p.add_argument("--out", metavar="FILE", help="write here (atomically) instead of stdout")
+    return p
+
+
+def export_main(argv: list[str]) -> int:
+    """Run ``precision-audit export`` with ``argv`` (the arguments after ``export``); returns the exit code."""
+    args = _parser().parse_args(argv)
+    policy = load_policy(args.policy)
+    result = export_policy(policy, args.to, policy_path=args.policy)
+    if args.out:
+        from .policy.io import write_text_atomic
+
+        path = write_text_atomic(args.out, result.text)
+        print(f"precision-audit: wrote {args.to} settings to {path}", file=sys.stderr)
+        for note in result.notes:
+            print(f"  note: {note}", file=sys.stderr)
+    else:
+        sys.stdout.write(result.text)
+        sys.stdout.flush()
+    return 0

@@ -1,0 +1,355 @@
+"""Export a policy to the settings other training stacks read (DESIGN §6).
+
+``precision-audit export policy.json --to deepspeed|lightning|accelerate|fsdp [--out FILE]``
+
+Each target gets its nearest equivalent, and says what it cannot express:
+
+- ``deepspeed``: a DeepSpeed config fragment (JSON): the ``fp16`` block (``initial_scale_power`` =
+  log2(init_scale), ``loss_scale_window`` = growth_interval, ``hysteresis`` 2, ``min_loss_scale`` 1) or the
+  ``bf16`` block; what it cannot express is listed under the top-level key ``precision_audit`` (DeepSpeed
+  ignores unknown top-level keys; its ``fp16``/``bf16`` blocks reject unknown ones).
+- ``lightning``: Python to paste: the Trainer's ``precision`` (or a ``MixedPrecision`` plugin carrying the
+  policy's GradScaler settings) plus ``apply_precision_policy(model)`` for the per-module part.
+- ``accelerate``: Python: ``Accelerator(mixed_precision=..., kwargs_handlers=[GradScalerKwargs(...)])`` plus
+  the per-module part.
+- ``fsdp``: Python: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` for FSDP1, per-module FSDP
+  units for the modules the policy keeps in another format, the FSDP2 (``fully_shard``) equivalent, and a
+  ``ShardedGradScaler`` for fp16.
+
+Example::
+
+    from precision_audit.policy import load_policy
+    from precision_audit.policy.exporters import export_policy
+    out = export_policy(load_policy("audit/policy.json"), "deepspeed")
+    print(out.text); print(out.notes)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import OptionError
+from .schema import Policy
+
+EXPORT_TARGETS = ("deepspeed", "lightning", "accelerate", "fsdp")
+
+_TORCH_DTYPE = {"fp32": "torch.float32", "tf32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
+_LIGHTNING = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+_ACCELERATE = {"fp32": "no", "tf32": "no", "bf16": "bf16", "fp16": "fp16"}
+_FP8 = ("fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class Export:
+    """One exported file: its text, its kind (".json" or ".py") and what the target cannot express."""
+
+    target: str
+    text: str
+    suffix: str
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    whole: str  # the format of the whole model (the root's effective format)
+    overrides: tuple[tuple[str, str, str], ...]  # (name, format, reason), root excluded, outermost first
+    tf32: tuple[bool, bool]
+
+
+def _plan(policy: Policy) -> _Plan:
+    whole = policy.effective_format("")
+    overrides = tuple(sorted(((n, o.format, o.reason) for n, o in policy.modules.items() if n),
+                             key=lambda t: (t[0].count("."), t[0])))
+    tf32 = (True, True) if whole == "tf32" else (policy.tf32_matmul, policy.tf32_cudnn)
+    return _Plan(whole, overrides, tf32)
+
+
+def _listing(overrides: tuple[tuple[str, str, str], ...], limit: int = 20) -> str:
+    parts = [f"{n} -> {f}" + (f" ({r})" if r else "") for n, f, r in overrides[:limit]]
+    more = f"; and {len(overrides) - limit} more" if len(overrides) > limit else ""
+    return "; ".join(parts) + more
+
+
+def _common_notes(policy: Policy, plan: _Plan) -> list[str]:
+    notes = []
+    if plan.whole in _FP8:
+        notes.append(f"the default format {plan.whole} has no equivalent here; exported as bf16 (fp8 training "
+                     "needs torchao.float8 or Transformer Engine)")
+    fp8 = [n for n, f, _ in plan.overrides if f in _FP8]
+    if fp8:
+        notes.append(f"fp8 modules have no equivalent here and are left in the default format: {', '.join(fp8)}")
+    return notes
+
+
+def _whole(plan: _Plan) -> str:
+    return "bf16" if plan.whole in _FP8 else plan.whole
+
+
+def _scale_power(init_scale: float) -> tuple[int, str | None]:
+    power = math.log2(init_scale)
+    p = round(power)
+    if abs(power - p) > 1e-9:
+        return p, (f"init_scale {init_scale:g} is not a power of two; initial_scale_power {p} starts at "
+                   f"2^{p} = {2.0 ** p:g}")
+    return p, None
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------------------------
+
+def _deepspeed(policy: Policy, policy_path: str) -> Export:
+    plan = _plan(policy)
+    ls = policy.loss_scaling
+    notes = _common_notes(policy, plan)
+    whole = _whole(plan)
+    cfg: dict = {}
+    if whole == "fp16":
+        power, warn = _scale_power(ls.init_scale)
+        if warn:
+            notes.append(warn)
+        if ls.enabled:
+            cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": power,
+                           "loss_scale_window": ls.growth_interval, "hysteresis": 2, "min_loss_scale": 1}
+            notes.append("hysteresis 2 (DeepSpeed's default) backs off only after 2 overflows in a row, where "
+                         "torch.amp.GradScaler backs off at every overflow; set it to 1 to match the policy exactly")
+            notes.append("min_loss_scale 1 is a floor GradScaler does not have")
+            if ls.growth_factor != 2.0 or ls.backoff_factor != 0.5:
+                notes.append(f"DeepSpeed grows and backs off the loss scale by a factor of 2; the policy asks for "
+                             f"growth x{ls.growth_factor:g} and backoff x{ls.backoff_factor:g}")
+        else:
+            cfg["fp16"] = {"enabled": True, "loss_scale": 1.0}
+            notes.append("the policy disables loss scaling: exported as a static loss scale of 1")
+        notes.append("DeepSpeed's fp16 mode casts the model's weights to fp16 and runs every op in fp16; "
+                     "torch.autocast (what the policy was measured with) keeps softmax, norms and losses in fp32")
+    elif whole == "bf16":
+        cfg["bf16"] = {"enabled": True}
+        notes.append("DeepSpeed's bf16 mode casts the model's weights to bf16 and runs every op in bf16; "
+                     "torch.autocast (what the policy was measured with) keeps softmax, norms and losses in fp32")
+        if ls.enabled:
+            notes.append("the policy enables loss scaling (for its fp16 modules); DeepSpeed's bf16 mode has none")
+    else:
+        cfg["fp16"] = {"enabled": False}
+        cfg["bf16"] = {"enabled": False}
+    if plan.overrides:
+        notes.append("DeepSpeed's fp16/bf16 blocks have no per-module formats; these modules cannot be kept in "
+                     f"their policy format: {_listing(plan.overrides)}. To keep them, use DeepSpeed's "
+                     "\"torch_autocast\" section instead (fp32 weights, forward under torch.autocast) and apply "
+                     "the policy to engine.module with precision_audit's runtime (policy.apply)")
+    if any(plan.tf32):
+        notes.append(f"TF32 is not a DeepSpeed setting: in the training script set "
+                     f"torch.backends.cuda.matmul.allow_tf32 = {plan.tf32[0]} and "
+                     f"torch.backends.cudnn.allow_tf32 = {plan.tf32[1]}")
+    cfg["precision_audit"] = {
+        "exported_from": policy_path,
+        "model": policy.model_class,
+        "target": policy.target_name,
+        "merge": "merge the fp16/bf16 blocks above into your DeepSpeed config",
+        "cannot_express": notes,
+    }
+    return Export("deepspeed", json.dumps(cfg, indent=2) + "\n", ".json", tuple(notes))
+
+
+# -- Python snippets ---------------------------------------------------------------------------------------
+
+def _header(policy: Policy, plan: _Plan, target: str, policy_path: str, notes: list[str]) -> list[str]:
+    lines = [f"# {target} settings for {policy.model_class}, exported by precision-audit from {policy_path}",
+             f"# (target GPU {policy.target_name}; whole model {plan.whole}; "
+             f"{len(plan.overrides)} per-module override(s)).", "#"]
+    if notes:
+        lines.append(f"# What {target} cannot express by itself:")
+        for n in notes:
+            lines.append(f"#  - {n}")
+    else:
+        lines.append(f"# {target} expresses this policy fully.")
+    return lines
+
+
+def _tf32_lines(plan: _Plan, who: str) -> list[str]:
+    return [f"# TF32 for fp32 matmuls and cuDNN convolutions, as the policy says ({who} does not set these):",
+            f"torch.backends.cuda.matmul.allow_tf32 = {plan.tf32[0]}",
+            f"torch.backends.cudnn.allow_tf32 = {plan.tf32[1]}"]
+
+
+def _scaler_args(policy: Policy) -> str:
+    ls = policy.loss_scaling
+    return (f"init_scale={ls.init_scale!r}, growth_factor={ls.growth_factor!r}, backoff_factor={ls.backoff_factor!r}, "
+            f"growth_interval={ls.growth_interval!r}, enabled={ls.enabled!r}")
+
+
+def _apply_function(plan: _Plan, when: str) -> list[str]:
+    what = _listing(plan.overrides, limit=8) if plan.overrides else "none in this policy"
+    return ["", "",
+            "def apply_precision_policy(model: torch.nn.Module):",
+            '    """The per-module part of the policy, for the network the policy was made for.',
+            "",
+            f"    When: {when}.",
+            "    Puts each module the policy overrides in its format inside the whole-model autocast (and checks",
+            "    the model's fingerprint). Keep the returned handle; handle.remove() undoes it.",
+            f"    Overrides: {what}",
+            '    """',
+            "    return POLICY.apply(model)"]
+
+
+def _runtime_notes(plan: _Plan, target: str) -> list[str]:
+    if not plan.overrides:
+        return []
+    return [f"{target}'s precision setting applies one format to the whole model; apply_precision_policy() "
+            f"below keeps these modules in their own format with precision_audit's runtime: "
+            f"{_listing(plan.overrides)}"]
+
+
+def _lightning(policy: Policy, policy_path: str) -> Export:
+    plan = _plan(policy)
+    whole = _whole(plan)
+    ls = policy.loss_scaling
+    notes = _common_notes(policy, plan) + _runtime_notes(plan, "Lightning")
+    if whole == "bf16" and ls.enabled:
+        notes.append("the policy enables loss scaling (for its fp16 modules); Lightning's bf16-mixed has no GradScaler")
+    if whole == "tf32":
+        notes.append("Lightning has no TF32 precision: 32-true with the TF32 switches set below")
+    code = ["import torch", "import lightning as L", "from lightning.pytorch.plugins import MixedPrecision",
+            "from precision_audit import load_policy", "", f"POLICY = load_policy({policy_path!r})", ""]
+    code += _tf32_lines(plan, "Lightning") + [""]
+    if whole == "fp16":
+        code += ["# The whole step's precision (the policy's default format) with the policy's loss scaling:",
+                 "precision_plugin = MixedPrecision(",
+                 '    "16-mixed", "cuda",',
+                 f'    scaler=torch.amp.GradScaler("cuda", {_scaler_args(policy)}),',
+                 ")",
+                 'trainer_kwargs = {"plugins": [precision_plugin]}']
+    else:
+        code += ["# The whole step's precision (the policy's default format):",
+                 f'trainer_kwargs = {{"precision": {_LIGHTNING[whole]!r}}}']
+    code += ["# trainer = L.Trainer(**trainer_kwargs, ...your other arguments...)"]
+    code += _apply_function(plan, "call it in your LightningModule's configure_model() (or __init__)")
+    text = "\n".join(_header(policy, plan, "Lightning", policy_path, notes) + [""] + code) + "\n"
+    return Export("lightning", text, ".py", tuple(notes))
+
+
+def _accelerate(policy: Policy, policy_path: str) -> Export:
+    plan = _plan(policy)
+    whole = _whole(plan)
+    ls = policy.loss_scaling
+    notes = _common_notes(policy, plan) + _runtime_notes(plan, "Accelerate")
+    if whole == "bf16" and ls.enabled:
+        notes.append("the policy enables loss scaling (for its fp16 modules); Accelerate's bf16 has no GradScaler")
+    if whole == "tf32":
+        notes.append("Accelerate has no TF32 mixed_precision: \"no\" with the TF32 switches set below")
+    code = ["import torch", "from accelerate import Accelerator", "from accelerate.utils import GradScalerKwargs",
+            "from precision_audit import load_policy", "", f"POLICY = load_policy({policy_path!r})", ""]
+    code += _tf32_lines(plan, "Accelerate") + [""]
+    code += ["# The whole model's precision (the policy's default format)"
+             + (" with the policy's loss scaling:" if whole == "fp16" else ":"),
+             "accelerator_kwargs = {",
+             f'    "mixed_precision": {_ACCELERATE[whole]!r},']
+    if whole == "fp16":
+        code += [f'    "kwargs_handlers": [GradScalerKwargs({_scaler_args(policy)})],']
+    code += ["}", "# accelerator = Accelerator(**accelerator_kwargs)"]
+    code += _apply_function(plan, "call it after accelerator.prepare(model, ...) (the DDP / compile wrappers "
+                                  "are looked through)")
+    text = "\n".join(_header(policy, plan, "Accelerate", policy_path, notes) + [""] + code) + "\n"
+    return Export("accelerate", text, ".py", tuple(notes))
+
+
+def _fsdp(policy: Policy, policy_path: str) -> Export:
+    plan = _plan(policy)
+    whole = _whole(plan)
+    ls = policy.loss_scaling
+    notes = _common_notes(policy, plan)
+    notes.append("FSDP's param_dtype casts the parameters, so every op runs in that dtype (torch.autocast, "
+                 "which the policy was measured with, keeps softmax, norms and losses in fp32). The exact "
+                 "equivalent: FSDP without param_dtype plus precision_audit's runtime (policy.apply(model), "
+                 "policy.autocast(), and ShardedGradScaler for fp16), at fp32 parameter memory and traffic")
+    tf32_mods = [n for n, f, _ in plan.overrides if f == "tf32"]
+    if tf32_mods:
+        notes.append(f"TF32 is a global switch, not an FSDP setting: these tf32 modules run in fp32: "
+                     f"{', '.join(tf32_mods)}")
+    if whole == "bf16" and ls.enabled:
+        notes.append("the policy enables loss scaling (for its fp16 modules): use the ShardedGradScaler below")
+    module_formats = [(n, f) for n, f, _ in plan.overrides if f not in _FP8]
+    low = whole in ("bf16", "fp16")
+    whole_dtype = _TORCH_DTYPE[whole]
+    code = ["import torch",
+            "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
+            "from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard",
+            "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler", ""]
+    code += _tf32_lines(plan, "FSDP") + [""]
+    code += ["# The whole model: parameters in the policy's default format; gradients reduced and buffers kept in",
+             "# fp32 (as under autocast, whose gradients and buffers are fp32)."]
+    if low:
+        code += [f"mixed_precision = MixedPrecision(param_dtype={whole_dtype}, reduce_dtype=torch.float32, "
+                 "buffer_dtype=torch.float32)",
+                 f"mp_policy = MixedPrecisionPolicy(param_dtype={whole_dtype}, reduce_dtype=torch.float32)"]
+    else:
+        code += ["mixed_precision = None  # the policy trains in fp32", "mp_policy = MixedPrecisionPolicy()"]
+    code += ["", "# The per-module part: modules the policy keeps in another format become their own FSDP units.",
+             "# name: (its parameter/compute dtype, the dtype its output is cast back to = its parent's, since",
+             "# without autocast the next module would otherwise get inputs in an unexpected dtype)",
+             "MODULE_FORMATS = {"]
+    for n, f in module_formats:
+        parent = policy.effective_format(n.rpartition(".")[0]) if "." in n else plan.whole
+        parent = "bf16" if parent in _FP8 else parent
+        code.append(f"    {n!r}: ({_TORCH_DTYPE[f]}, {_TORCH_DTYPE[parent]}),  # {f}")
+    code += ["}", "",
+             "",
+             "def _cast_output(dtype):",
+             "    def hook(module, args, output):",
+             "        if isinstance(output, torch.Tensor) and output.is_floating_point():",
+             "            return output.to(dtype)",
+             "        return output",
+             "    return hook",
+             "",
+             "",
+             "def wrap_fsdp1(model: torch.nn.Module, **fsdp_kwargs) -> FSDP:",
+             '    """FSDP1: wrap each MODULE_FORMATS module (innermost first) with its own MixedPrecision, then the',
+             '    model with `mixed_precision`."""',
+             "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
+             "        dtype, output_dtype = MODULE_FORMATS[name]",
+             "        parent_name, _, child = name.rpartition(\".\")",
+             "        parent = model.get_submodule(parent_name)",
+             "        unit = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32,",
+             "                              cast_forward_inputs=True)",
+             "        wrapped = FSDP(getattr(parent, child), mixed_precision=unit, **fsdp_kwargs)",
+             "        wrapped.register_forward_hook(_cast_output(output_dtype))",
+             "        setattr(parent, child, wrapped)",
+             "    return FSDP(model, mixed_precision=mixed_precision, **fsdp_kwargs)",
+             "",
+             "",
+             "def shard_fsdp2(model: torch.nn.Module, **fully_shard_kwargs) -> torch.nn.Module:",
+             '    """FSDP2: fully_shard each MODULE_FORMATS module (innermost first) with its own policy, then the',
+             '    model with `mp_policy`."""',
+             "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
+             "        dtype, output_dtype = MODULE_FORMATS[name]",
+             "        unit = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,",
+             "                                    output_dtype=output_dtype, cast_forward_inputs=True)",
+             "        fully_shard(model.get_submodule(name), mp_policy=unit, **fully_shard_kwargs)",
+             "    fully_shard(model, mp_policy=mp_policy, **fully_shard_kwargs)",
+             "    return model",
+             "",
+             ""]
+    uses_fp16 = whole == "fp16" or any(f == "fp16" for _, f in module_formats)
+    if uses_fp16 or ls.enabled:
+        code += ["# Loss scaling for fp16, as the policy says (FSDP1; with FSDP2 use torch.amp.GradScaler likewise):",
+                 f'scaler = ShardedGradScaler("cuda", {_scaler_args(policy)})']
+    else:
+        code += ["scaler = None  # no fp16 in this policy: no loss scaling"]
+    text = "\n".join(_header(policy, plan, "FSDP", policy_path, notes) + [""] + code) + "\n"
+    return Export("fsdp", text, ".py", tuple(notes))
+
+
+_EXPORTERS: dict[str, Callable[[Policy, str], Export]] = {
+    "deepspeed": _deepspeed, "lightning": _lightning, "accelerate": _accelerate, "fsdp": _fsdp,
+}
+
+
+def export_policy(policy: Policy, to: str, *, policy_path: str = "policy.json") -> Export:
+    """The nearest equivalent of ``policy`` for training stack ``to`` (one of :data:`EXPORT_TARGETS`).
+
+    ``policy_path`` is the path the generated Python loads the policy from (for the per-module part).
+    """
+    fn = _EXPORTERS.get(to)
+    if fn is None:
+        raise OptionError(f"cannot export a policy to {to!r}", choices=EXPORT_TARGETS)
+    return fn(policy, policy_path)

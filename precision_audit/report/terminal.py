@@ -1,0 +1,186 @@
+"""The terminal side of an audit: progress while it runs (stderr) and the summary table at the end (stdout).
+
+:class:`Progress` is the ``progress`` callback :func:`precision_audit.audit.run_audit` takes: call it with a
+stage message and it starts that stage. On a terminal each stage gets its own tqdm bar with a running clock
+(finished stages stay on screen with their time); when stderr is not a terminal (CI logs, pipes) each stage
+is one plain line, ``[3] fp16 pass``; with ``quiet=True`` nothing is printed. :meth:`Progress.bar` gives a
+nested bar for work inside a stage (layers of one format's pass, say), and does nothing off a terminal.
+
+Example::
+
+    with Progress(quiet=args.quiet) as progress:
+        result = run_audit(opts, progress)
+    print(summary_text(result.audit))
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, TextIO
+
+from tqdm import tqdm
+
+from .html import fmt_num, fmt_seconds, speedup
+
+STAGE_FORMAT = "{desc} {elapsed}"
+BAR_FORMAT = "  {desc}: {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]"
+
+
+class _NoBar:
+    """What :meth:`Progress.bar` hands out when no bar is drawn: accepts the calls a tqdm bar does."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "") -> None:
+        pass
+
+
+class Progress:
+    """Progress of one audit on ``stream`` (default stderr); callable with a stage message.
+
+    ``tty`` defaults to ``stream.isatty()``. Use as a context manager (or call :meth:`close`) so the last
+    stage is finished and the clock thread stops.
+    """
+
+    def __init__(self, quiet: bool = False, stream: TextIO | None = None, tty: bool | None = None,
+                 refresh_s: float = 0.25) -> None:
+        self.quiet = quiet
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty()) if tty is None else tty
+        self.stages: list[str] = []
+        self._bar: tqdm | None = None
+        self._started = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._refresh_s = refresh_s
+        self._ncols, self._nrows = _size(self.stream) if self.tty else (None, None)
+        encoding = (getattr(self.stream, "encoding", None) or "").lower().replace("-", "")
+        self._done = "✓" if encoding in ("utf8", "") else "done"
+        self._ellipsis = "…" if self._done == "✓" else "..."
+
+    # The callback run_audit calls.
+    def __call__(self, message: str) -> None:
+        self.stages.append(message)
+        n = len(self.stages)
+        if self.quiet:
+            return
+        if not self.tty:
+            print(f"[{n}] {message}", file=self.stream, flush=True)
+            return
+        desc = f"[{n}] {message}"
+        room = (self._ncols or 100) - 12  # the clock and the done mark
+        if len(desc) > room:
+            desc = desc[: room - len(self._ellipsis)] + self._ellipsis
+        with self._lock:
+            self._finish_stage()
+            self._bar = tqdm(total=1, desc=desc, bar_format=STAGE_FORMAT, file=self.stream,
+                             leave=True, ncols=self._ncols, nrows=self._nrows, mininterval=0)
+            self._started = time.perf_counter()
+        if self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, name="precision-audit-progress", daemon=True)
+            self._ticker.start()
+
+    @contextmanager
+    def bar(self, desc: str, total: int, unit: str = "layers") -> Iterator[Any]:
+        """A nested bar for ``total`` steps of work inside the current stage; ``update(n)`` advances it."""
+        if self.quiet or not self.tty or total <= 0:
+            yield _NoBar()
+            return
+        b = tqdm(total=total, desc=desc, unit=unit, bar_format=BAR_FORMAT, file=self.stream, leave=False,
+                 ncols=self._ncols, nrows=self._nrows)
+        try:
+            yield b
+        finally:
+            b.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2)
+            self._ticker = None
+        with self._lock:
+            self._finish_stage()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _finish_stage(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_description_str(self._bar.desc + " " + self._done, refresh=False)
+            self._bar.close()
+            self._bar = None
+
+    def _tick(self) -> None:
+        # tqdm redraws only on update(); a stage can run for minutes, so keep its clock moving.
+        while not self._stop.wait(self._refresh_s):
+            with self._lock:
+                if self._bar is not None:
+                    self._bar.refresh()
+
+
+def _size(stream: TextIO) -> tuple[int, int]:
+    """The terminal's (columns, lines); (100, 24) where it reports 0 (a pty without a size), since tqdm would
+    otherwise draw nothing at all."""
+    try:
+        cols, lines = os.get_terminal_size(stream.fileno())
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        cols, lines = 0, 0
+    return (cols if cols > 0 else 100, lines if lines > 0 else 24)
+
+
+# --- the summary ------------------------------------------------------------------------------------------
+
+
+def summary_text(audit: dict[str, Any]) -> str:
+    """The table printed at the end of an audit: one line per format, the loss scale, and the plan."""
+    summary = audit["summary"]
+    target = audit["target"]["name"]
+    lines = [f"precision-audit: {audit['model']['class']} ({audit['model']['parameters']:,} parameters), "
+             f"target {target}, {audit['mode']} mode"]
+    has_est = any((summary.get(f, {}).get("step_time") or {}).get("estimated_s") is not None
+                  for f in ["fp32", *audit["formats"]])
+    est_head = f" {'est. step':>10} {'speedup':>8}" if has_est else ""
+    lines.append(f"  {'format':<7} {'loss':>12} {'loss change':>12} {'output err':>11} {'non-finite':>10}"
+                 f"{est_head}  verdict")
+
+    def est(f: str) -> str:
+        if not has_est:
+            return ""
+        mine = (summary.get(f, {}).get("step_time") or {}).get("estimated_s")
+        sp = speedup(audit, f)
+        return f" {fmt_seconds(mine):>10} {(f'{sp:.2f}x' if sp else '—'):>8}"
+
+    lines.append(f"  {'fp32':<7} {fmt_num(summary['fp32']['loss'], 6):>12} {'—':>12} {'—':>11} {'—':>10}{est('fp32')}"
+                 "  reference")
+    for f in audit["formats"]:
+        s = summary[f]
+        out = s["output"]["rel_l2"] if s.get("output") else None
+        lines.append(f"  {f:<7} {fmt_num(s['loss'], 6):>12} {fmt_num(s['loss_rel_change']):>12} {fmt_num(out):>11} "
+                     f"{s['nonfinite']['outputs']:>10}{est(f)}  {s['verdict']}")
+    for s in audit["formats_skipped"]:
+        lines.append(f"  {s['format']:<7} {s['reason']}")
+    if not has_est:
+        note = (summary["fp32"].get("step_time") or {}).get("estimated_note")
+        if note:
+            lines.append(f"  step time on {target}: {note}")
+    ls = audit.get("loss_scale")
+    if ls:
+        lines.append(f"  fp16 loss scale: {fmt_num(ls['recommended_init_scale'])} — {ls['reason']}")
+    lines.append(f"  plan: {audit['verdict']['message']}")
+    for name, o in audit["plan"]["overrides"].items():
+        lines.append(f"    {name or '(model)'} -> {o['format']}: {o['reason']}")
+    if audit.get("mode") == "emulated":
+        lines.append("  numerics emulated on the CPU (no GPU); see the report's warnings")
+    return "\n".join(lines)

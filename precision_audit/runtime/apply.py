@@ -1,0 +1,333 @@
+"""Applying a policy to a model in training: per-module formats, the forward-pass autocast, the GradScaler.
+
+How a module is put in its format: its ``forward`` is replaced, as an instance attribute, by a
+``functools.partial`` of :func:`_policy_forward` that enters the right autocast state around the original
+forward and removes itself on :meth:`PolicyHandle.remove`. A wrapped forward (rather than a pre-hook that
+enters a context and a post-hook that leaves it) keeps the context balanced when the forward raises, is
+traced by ``torch.compile`` (a replaced ``forward`` is guarded, so even already-compiled code recompiles), and
+survives ``copy.deepcopy`` (the copy's wrapper points at the copy).
+
+- ``fp32``: autocast disabled; floating inputs in fp16/bf16 are cast to fp32 (nested in tuples, lists and
+  dicts); on CUDA, TF32 is switched off inside (strict IEEE fp32).
+- ``tf32``: as ``fp32``, but with TF32 switched on inside (``torch.backends.cuda.matmul.allow_tf32`` and
+  ``torch.backends.cudnn.allow_tf32``), restored after.
+- ``bf16`` / ``fp16``: autocast in that dtype (e.g. an fp16 module inside a bf16 default). The autocast weight
+  cache is only used when the dtype is the policy's default one: a weight shared by modules in two
+  low-precision formats would otherwise be served from the cache in the wrong dtype.
+
+A module without an override runs in whatever its parent runs in: the default format under
+:meth:`Policy.autocast <precision_audit.policy.Policy.autocast>`, or an overridden parent's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..errors import PolicyError
+from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
+
+log = logging.getLogger(__name__)
+
+LOW_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_UPCAST = (torch.float16, torch.bfloat16)
+
+# The handle applied to each (unwrapped) model, so that a second apply is refused and the adaptive
+# controller can find and update it.
+_ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle]" = weakref.WeakKeyDictionary()
+
+
+def active_handle(model: torch.nn.Module) -> "PolicyHandle | None":
+    """The handle of the policy currently applied to ``model`` (wrappers looked through), or None."""
+    return _ACTIVE.get(unwrap_model(model))
+
+
+# -- the wrapped forward -------------------------------------------------------------------------------------
+
+@dataclass
+class _ModuleState:
+    name: str
+    format: str
+    dtype: torch.dtype | None  # None for fp32 / tf32
+    cache: bool  # autocast weight cache allowed (dtype == the policy's default dtype)
+    device_type: str | None  # None: from the inputs at each call
+    orig: Callable[..., Any] | None  # the instance-level forward replaced, or None for the class's forward
+    active: bool = True
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.dtype in _UPCAST else x
+    if isinstance(x, tuple):
+        items = [_to_fp32(v) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    if isinstance(x, list):
+        return [_to_fp32(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _to_fp32(v) for k, v in x.items()}
+    return x
+
+
+def _infer_device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> str:
+    for v in args:
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    for p in module.parameters():
+        return p.device.type
+    for b in module.buffers():
+        return b.device.type
+    return "cpu"
+
+
+class _TF32:
+    """Set both TF32 switches inside, restore them after (only touching them when they differ)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.saved: tuple[bool, bool] | None = None
+
+    def __enter__(self) -> None:
+        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        if saved != (self.on, self.on):
+            self.saved = saved
+            torch.backends.cuda.matmul.allow_tf32 = self.on
+            torch.backends.cudnn.allow_tf32 = self.on
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+            self.saved = None
+
+
+def _call(module: torch.nn.Module, state: _ModuleState, args: tuple, kwargs: dict) -> Any:
+    if state.orig is not None:
+        return state.orig(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _policy_forward(module: torch.nn.Module, state: _ModuleState, *args: Any, **kwargs: Any) -> Any:
+    if not state.active:
+        return _call(module, state, args, kwargs)
+    device_type = state.device_type or _infer_device_type(args, kwargs, module)
+    if state.dtype is None:  # fp32 / tf32
+        args, kwargs = _to_fp32(args), _to_fp32(kwargs)
+        with torch.autocast(device_type, enabled=False):
+            if device_type == "cuda":
+                with _TF32(state.format == "tf32"):
+                    return _call(module, state, args, kwargs)
+            return _call(module, state, args, kwargs)
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == state.dtype:
+        return _call(module, state, args, kwargs)  # already in this format
+    with torch.autocast(device_type, dtype=state.dtype, cache_enabled=state.cache):
+        return _call(module, state, args, kwargs)
+
+
+# -- the handle ----------------------------------------------------------------------------------------------
+
+class PolicyHandle:
+    """What :meth:`Policy.apply` returns: ``.remove()`` puts every wrapped forward back exactly as it was.
+
+    Also a context manager (``with policy.apply(model): ...`` removes on exit). ``modules`` maps each
+    wrapped module's name to its format.
+    """
+
+    def __init__(self, policy: Policy, root: torch.nn.Module, device_type: str | None) -> None:
+        self._policy = policy
+        self._root_ref = weakref.ref(root)
+        self._device_type = device_type
+        # (module, state, had an instance-level forward, that forward, the partial we installed)
+        self._wrapped: list[tuple[torch.nn.Module, _ModuleState, bool, Any, Any]] = []
+        self.modules: dict[str, str] = {}
+        self.active = False
+
+    @property
+    def policy(self) -> Policy:
+        """The policy in effect (the adaptive controller may have replaced it with an updated copy)."""
+        return self._policy
+
+    def _install(self, root: torch.nn.Module) -> None:
+        p = self._policy
+        default_dtype = LOW_PRECISION_DTYPES.get(p.default_format)
+        try:
+            for name, module in named_modules(root):
+                o = p.modules.get(name)
+                if o is None:
+                    continue
+                dtype = LOW_PRECISION_DTYPES.get(o.format)
+                had = "forward" in module.__dict__
+                prev = module.__dict__.get("forward")
+                state = _ModuleState(name=name, format=o.format, dtype=dtype, cache=dtype == default_dtype,
+                                     device_type=self._device_type, orig=prev if had else None)
+                wrapper = functools.partial(_policy_forward, module, state)
+                module.forward = wrapper
+                self._wrapped.append((module, state, had, prev, wrapper))
+                self.modules[name] = o.format
+        except BaseException:
+            self._uninstall()
+            raise
+        self.active = True
+
+    def _uninstall(self) -> None:
+        for module, state, had, prev, wrapper in reversed(self._wrapped):
+            state.active = False
+            if module.__dict__.get("forward") is wrapper:
+                if had:
+                    module.__dict__["forward"] = prev
+                else:
+                    del module.__dict__["forward"]
+            else:
+                # Something replaced forward after us and holds our wrapper: leave it as a pass-through.
+                log.warning("the forward of %r was replaced after the policy was applied; the policy's wrapper "
+                            "stays inside it as a pass-through", state.name or "(root)")
+        self._wrapped.clear()
+        self.modules = {}
+        self.active = False
+
+    def remove(self) -> None:
+        """Restore every wrapped module's forward. Safe to call twice."""
+        if not self.active:
+            return
+        self._uninstall()
+        root = self._root_ref()
+        if root is not None and _ACTIVE.get(root) is self:
+            del _ACTIVE[root]
+
+    def _reapply(self, policy: Policy) -> None:
+        """Swap in an updated policy for the same model (used by the adaptive controller)."""
+        root = self._root_ref()
+        if root is None:
+            raise RuntimeError("the model this policy was applied to no longer exists")
+        _check_runtime_formats(policy)
+        self._uninstall()
+        self._policy = policy
+        self._install(root)
+
+    def __enter__(self) -> "PolicyHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<PolicyHandle {state}: {len(self.modules)} module(s) overridden>"
+
+
+def _check_runtime_formats(policy: Policy) -> None:
+    bad = {n: o.format for n, o in policy.modules.items() if o.format not in RUNTIME_FORMATS}
+    if bad:
+        listing = ", ".join(f"{n or '(root)'}: {f}" for n, f in list(bad.items())[:12])
+        raise PolicyError(f"the runtime cannot put these modules in their format (autocast has no fp8): {listing}",
+                          choices=RUNTIME_FORMATS, hint="use torchao.float8 for fp8 modules, or change the policy")
+
+
+def apply_policy(policy: Policy, model: torch.nn.Module, *, device_type: str | None = None,
+                 strict: bool = True) -> PolicyHandle:
+    """Put every module the policy overrides in its format; returns a :class:`PolicyHandle`.
+
+    ``model`` may be wrapped by torch.compile, DDP or DataParallel: the policy's names are those of the model
+    inside. ``device_type`` ("cuda", "cpu", ...) fixes the autocast device; by default each call uses the
+    device of its first tensor input. ``strict=False`` turns a fingerprint mismatch into a logged warning
+    (override names must still exist).
+
+    Example::
+
+        handle = policy.apply(model)
+        with policy.autocast("cuda"):
+            loss = loss_fn(model(x), y)
+        handle.remove()
+    """
+    root = unwrap_model(model)
+    if strict:
+        policy.check_model(model)
+    else:
+        try:
+            policy._check_fingerprint(model)
+        except PolicyError as e:
+            log.warning("applying the policy anyway (strict=False): %s", e.problem)
+        policy.check_override_names(model)
+    _check_runtime_formats(policy)
+    if root in _ACTIVE:
+        raise PolicyError("a policy is already applied to this model",
+                          hint="call .remove() on the handle Policy.apply returned before applying another")
+    handle = PolicyHandle(policy, root, device_type)
+    handle._install(root)
+    _ACTIVE[root] = handle
+    log.info("policy applied: %d module(s) overridden (%s)", len(handle.modules),
+             ", ".join(f"{n or '(root)'}={f}" for n, f in list(handle.modules.items())[:8]))
+    return handle
+
+
+# -- the forward-pass context and the scaler -----------------------------------------------------------------
+
+class PolicyAutocast:
+    """``Policy.autocast(device_type)``: autocast in the default format, TF32 switches set inside.
+
+    - default ``bf16`` / ``fp16``: ``torch.autocast(device_type, dtype=...)``;
+    - default ``fp32``: autocast disabled; default ``tf32``: autocast disabled and TF32 on;
+    - the policy's ``tf32`` switches (``torch.backends.cuda.matmul.allow_tf32``,
+      ``torch.backends.cudnn.allow_tf32``) are set on entry and restored on exit, even on error.
+
+    ``enabled=False`` is a no-op context (plain fp32 run). Re-entrant: each ``with`` saves and restores.
+
+    Example::
+
+        with policy.autocast("cuda"):
+            loss = loss_fn(model(x), y)
+    """
+
+    def __init__(self, policy: Policy, device_type: str = "cuda", *, enabled: bool = True) -> None:
+        if policy.default_format not in RUNTIME_FORMATS:
+            raise PolicyError(f"the runtime cannot run the default format {policy.default_format!r} "
+                              "(autocast has no fp8)", choices=RUNTIME_FORMATS)
+        if not isinstance(device_type, str):
+            raise PolicyError("Policy.autocast(device_type) takes a device type such as 'cuda' or 'cpu'",
+                              found=repr(device_type))
+        self.device_type = device_type
+        self.dtype = LOW_PRECISION_DTYPES.get(policy.default_format)
+        self.enabled = enabled
+        if policy.default_format == "tf32":
+            self.tf32 = (True, True)
+        else:
+            self.tf32 = (policy.tf32_matmul, policy.tf32_cudnn)
+        self._stack: list[tuple[tuple[bool, bool] | None, torch.autocast]] = []
+
+    def __enter__(self) -> "PolicyAutocast":
+        saved = None
+        if self.enabled:
+            saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.tf32
+        ctx = torch.autocast(self.device_type, dtype=self.dtype,
+                             enabled=self.enabled and self.dtype is not None)
+        try:
+            ctx.__enter__()
+        except BaseException:
+            if saved is not None:
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+            raise
+        self._stack.append((saved, ctx))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        saved, ctx = self._stack.pop()
+        try:
+            ctx.__exit__(*exc)
+        finally:
+            if saved is not None:
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def make_grad_scaler(policy: Policy, device: str = "cuda") -> torch.amp.GradScaler:
+    """``torch.amp.GradScaler(device, ...)`` from ``policy.loss_scaling`` (disabled unless ``enabled``)."""
+    ls = policy.loss_scaling
+    return torch.amp.GradScaler(device, init_scale=ls.init_scale, growth_factor=ls.growth_factor,
+                                backoff_factor=ls.backoff_factor, growth_interval=ls.growth_interval,
+                                enabled=ls.enabled)

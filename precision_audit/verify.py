@@ -1,0 +1,140 @@
+"""A/B check of a policy by short training: the same N steps from the same initial weights under FP32, under
+the policy, and under plain BF16 and FP16 autocast (DESIGN §7 ``precision-audit verify``).
+
+On a GPU the arms run under real ``torch.autocast("cuda")``; elsewhere CUDA autocast is emulated exactly as in
+the audit. Every arm sees the same batch each step, the same seed and the same optimizer settings; plain FP16
+uses ``torch.amp.GradScaler``'s defaults, the policy arm its controller (the policy's loss scaling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import OptionError
+from .formats import Format
+from .policy.schema import Policy
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    steps: int = 20
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise OptionError("--steps must be a whole number >= 1 for verify", found=repr(self.steps))
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise OptionError("--lr must be a positive number", found=repr(self.lr))
+        if self.optimizer not in OPTIMIZERS:
+            raise OptionError(f"unknown --optimizer {self.optimizer!r}", choices=OPTIMIZERS)
+
+
+def _optimizer(opts: VerifyOptions, params) -> torch.optim.Optimizer:
+    if opts.optimizer == "adam":
+        return torch.optim.Adam(params, lr=opts.lr)
+    return torch.optim.SGD(params, lr=opts.lr, momentum=0.9)
+
+
+def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
+               loss_of: Callable[[Any], torch.Tensor], policy: Policy, device: str, mode: str,
+               opts: VerifyOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train each arm ``opts.steps`` steps; returns the ``verify`` section of audit.json (loss curves etc.)."""
+    from .capture.emulation import CudaAutocastPolicy, emulated_autocast
+
+    say = progress or (lambda m: None)
+    device_type = "cuda" if mode == "cuda" else "cpu"
+
+    def autocast(dtype: torch.dtype | None):
+        if dtype is None:
+            return contextlib.nullcontext()
+        if mode == "cuda":
+            return torch.autocast("cuda", dtype=dtype)
+        return emulated_autocast(dtype)
+
+    policy_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy.default_format)
+    arms = [("fp32", None), ("policy", policy_dtype), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+    curves: dict[str, list[float | None]] = {}
+    final_params: dict[str, list[torch.Tensor]] = {}
+    skipped: dict[str, int] = {}
+    errors: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[torch.device(device).index or 0] if mode == "cuda" else []))
+        if mode != "cuda":
+            stack.enter_context(CudaAutocastPolicy())
+        for arm, dtype in arms:
+            say(f"verify: {opts.steps} training steps under {arm}")
+            torch.manual_seed(opts.seed)
+            m = copy.deepcopy(model).to(device)
+            opt = _optimizer(opts, [p for p in m.parameters() if p.requires_grad])
+            losses: list[float | None] = []
+            try:
+                with _armed(arm, policy, m, opt, device_type) as step:
+                    for _ in range(opts.steps):
+                        with autocast(dtype):
+                            loss = loss_of(forward(m))
+                        lv, skip = step(loss)
+                        losses.append(lv if math.isfinite(lv) else None)
+                        skipped[arm] = skipped.get(arm, 0) + int(skip)
+            except Exception as e:  # an arm that cannot train (e.g. a banned op under autocast) is reported
+                errors[arm] = f"{type(e).__name__}: {e}"
+            curves[arm] = losses
+            final_params[arm] = [p.detach().float().cpu() for p in m.parameters()]
+    ref = curves.get("fp32") or []
+    out: dict[str, Any] = {"steps": opts.steps, "optimizer": opts.optimizer, "lr": opts.lr, "seed": opts.seed,
+                           "mode": mode, "curves": curves, "skipped_steps": skipped, "errors": errors,
+                           "final_loss_rel_change": {}, "param_rel_change": {}}
+    ref_final = ref[-1] if ref else None
+    for arm in curves:
+        if arm == "fp32":
+            continue
+        last = curves[arm][-1] if curves[arm] else None
+        out["final_loss_rel_change"][arm] = (abs(last - ref_final) / abs(ref_final)
+                                             if last is not None and ref_final else None)
+        num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(final_params[arm], final_params["fp32"]))
+        den = sum(float(b.double().pow(2).sum()) for b in final_params["fp32"])
+        out["param_rel_change"][arm] = math.sqrt(num / den) if den and math.isfinite(num) else None
+    return out
+
+
+@contextlib.contextmanager
+def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Optimizer,
+           device_type: str) -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
+    """A step function for one arm: (loss) -> (loss value, skipped)."""
+    if arm == "policy":
+        handle = policy.apply(model, device_type=device_type)
+        controller = policy.controller(model, opt, device=device_type)
+
+        def step(loss):
+            rec = controller.step(loss)
+            return float(loss.detach().float()), bool(getattr(rec, "skipped", False))
+        try:
+            yield step
+        finally:
+            controller.close()
+            handle.remove()
+        return
+    scaler = torch.amp.GradScaler(device_type, enabled=(arm == "fp16"))
+
+    def plain(loss):
+        before = scaler.get_scale() if scaler.is_enabled() else None
+        scaler.scale(loss.float()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        skipped = before is not None and scaler.get_scale() < before
+        return float(loss.detach().float()), skipped
+    yield plain
