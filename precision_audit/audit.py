@@ -25,7 +25,7 @@ from .analysis.findings import Analysis, Budget, analyse
 from .analysis.loss_scale import recommend_loss_scale
 from .analysis.performance import performance
 from .capture.runner import CaptureConfig, CaptureSession
-from .errors import AuditError, OptionError
+from .errors import AuditError, ModelRunError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
@@ -192,6 +192,13 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         for f in formats:
             say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
             session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
+        if len(set(structures)) > 1:
+            raise ModelRunError(
+                "the model's forward returned different output structures on different calls, so its passes "
+                "cannot be compared with each other",
+                found=" vs ".join(sorted(set(structures))),
+                hint="make the forward return the same structure on every call (look for branches on a call "
+                     "counter, on self.training, or on autocast being enabled)")
         if opts.steps:
             say(f"profiling {opts.steps} timed step(s) per format on {device} (after one warm-up step)")
             session.timed_steps(opts.steps)

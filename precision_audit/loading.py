@@ -57,6 +57,7 @@ __all__ = [
     "LossKind",
     "LossSpec",
     "ModelSource",
+    "check_trainable",
     "load_batch",
     "load_model",
     "output_structure",
@@ -433,6 +434,40 @@ def _instantiate(obj: Any, name: str, *, where: str, user_file: str | None) -> n
     return result
 
 
+def check_trainable(model: nn.Module, source: ModelSource) -> None:
+    """Raise :class:`~precision_audit.errors.ModelLoadError` unless ``model`` has a parameter that requires grad.
+
+    The audit measures gradients (and the loss scale FP16 needs) through a backward pass; without a trainable
+    parameter that backward has nothing to reach, and torch would fail deep inside the run with "element 0 of
+    tensors does not require grad". :func:`load_model` itself accepts such modules (they load fine); the
+    audit calls this right after it.
+
+    Example::
+
+        model, source = load_model("model.py")
+        check_trainable(model, source)     # ModelLoadError for nn.ReLU(), or a fully frozen model
+    """
+    name, where = source.attribute, source.where
+    params = list(model.parameters())
+    if not params:
+        raise ModelLoadError(
+            f"the model built by {name} in {where} ({type(model).__name__}) has no parameters, "
+            "so there is no training step to audit",
+            expected="an nn.Module holding trainable parameters (nn.Linear, nn.Conv2d, nn.Embedding, ...)",
+            found=f"{type(model).__name__} with 0 parameters",
+            hint="pass the model that owns the weights; a parameter-free function needs no precision policy",
+        )
+    if not any(p.requires_grad for p in params):
+        count = sum(p.numel() for p in params)
+        raise ModelLoadError(
+            f"none of the parameters of the model built by {name} in {where} requires grad, "
+            "so the audit cannot take the backward pass it measures",
+            expected="at least one parameter with requires_grad=True",
+            found=f"{type(model).__name__}: {len(params)} parameter tensors ({count:,} values), all frozen",
+            hint="unfreeze the layers you train (p.requires_grad_(True)) before returning the model",
+        )
+
+
 def _required_parameters(fn: Callable[..., Any]) -> list[str]:
     try:
         signature = inspect.signature(fn)
@@ -479,6 +514,8 @@ class Batch:
     target: Any | None
     raw: Any
     source: str
+    #: What the audit added to the forward call on its own, for the report (e.g. ``use_cache=False``).
+    notes: tuple[str, ...] = ()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor with its name: ``args[0]``, a kwargs key, ``target`` (nested: ``args[0][1]``)."""
@@ -507,6 +544,7 @@ class Batch:
             target=_map_tensors(self.target, device, memo),
             raw=_map_tensors(self.raw, device, memo),
             source=self.source,
+            notes=self.notes,
         )
 
 
@@ -517,7 +555,8 @@ def load_batch(path: str | Path | None, model: nn.Module, source: ModelSource) -
     signature: all positional inputs if ``model.forward`` accepts that many, else ``(inputs..., target)`` if it
     accepts one fewer; ``((a, b), target)`` and ``(dict, target)`` are recognised too. Every user mistake
     (missing or unreadable file, Python objects in the pickle, empty or non-finite tensors, a batch the forward
-    cannot take) raises :class:`~precision_audit.errors.BatchError`.
+    cannot take) raises :class:`~precision_audit.errors.BatchError`. A forward with a ``use_cache`` parameter
+    (Hugging Face models) is called with ``use_cache=False`` unless the batch sets it; ``batch.notes`` says so.
 
     Example::
 
@@ -621,10 +660,14 @@ def _not_a_torch_file(file: Path, e: BaseException) -> BatchError:
         content = "a text file"
     else:
         content = "binary data that is not a torch.save archive"
+    detail = _first_line(str(e))
+    if detail.startswith("Weights only load failed"):
+        # torch's own text goes on to suggest weights_only=False, which precision-audit never does.
+        detail = "not a pickle torch.load(weights_only=True) can read"
     return BatchError(
         f"the batch file {file} is not a torch.save file",
         expected="a file written by torch.save (loaded with torch.load(weights_only=True))",
-        found=f"{content} ({type(e).__name__}: {_first_line(str(e))})",
+        found=f"{content} ({type(e).__name__}: {detail})" if detail else f"{content} ({type(e).__name__})",
         hint="save one batch with torch.save(batch, 'sample.pt')",
     )
 
@@ -717,9 +760,32 @@ def _interpret(raw: Any, model: nn.Module, label: str) -> Batch:
             found=_type_name(raw),
         )
 
-    batch = Batch(args=args, kwargs=kwargs, target=target, raw=raw, source=label)
+    notes: tuple[str, ...] = ()
+    if _takes_use_cache(model, len(args)) and "use_cache" not in kwargs:
+        # A training step never reads the key/value cache, and the cache is updated in place by every call:
+        # the audit's per-module re-runs would then attend over keys appended twice (T5 decoder attention
+        # even changes its output structure). Hugging Face does the same under gradient checkpointing.
+        kwargs = {**kwargs, "use_cache": False}
+        notes = ("use_cache=False passed to forward: a training step reads no key/value cache, and the cache's "
+                 "in-place updates would make the per-module re-runs see other inputs",)
+        logger.info("batch from %s: %s", label, notes[0])
+    batch = Batch(args=args, kwargs=kwargs, target=target, raw=raw, source=label, notes=notes)
     _check_tensors(batch, label)
     return batch
+
+
+def _takes_use_cache(model: nn.Module, n_args: int) -> bool:
+    """Whether ``model.forward`` names a ``use_cache`` parameter not already filled by the positional inputs."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    for i, p in enumerate(params):
+        if p.name == "use_cache":
+            if p.kind is inspect.Parameter.KEYWORD_ONLY:
+                return True
+            return p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and i >= n_args
+    return False
 
 
 def _keyword_inputs(raw: Mapping[Any, Any], arity: _ForwardArity, label: str) -> dict[str, Any]:

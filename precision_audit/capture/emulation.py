@@ -122,6 +122,17 @@ def stop_rounding_registry() -> None:
     _ROUNDED = None
 
 
+@contextlib.contextmanager
+def rounding_registry_paused() -> Iterator[None]:
+    """No registration inside (e.g. a module re-run whose tensors are not part of the measured pass)."""
+    global _ROUNDED
+    saved, _ROUNDED = _ROUNDED, None
+    try:
+        yield
+    finally:
+        _ROUNDED = saved
+
+
 def _register(src: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if _ROUNDED is not None:
         _ROUNDED[out.untyped_storage().data_ptr()] = _Rounded(out, _ITEMSIZE.get(dtype, 4),

@@ -30,7 +30,8 @@ from ..errors import ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from .memory import SavedTensorCounter
 from .ops import record_op
-from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast, is_missing_low_precision_kernel
+from .emulation import (KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast,
+                        is_missing_low_precision_kernel, rounding_registry_paused)
 from .records import CaptureResult, FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .stats import ErrorStats, MagnitudeHistogram
 
@@ -118,7 +119,10 @@ class CaptureSession:
         self.training = model.training
         self._names = {id(m): n for n, m in self.model.named_modules()}
         self._modules = {id(m): m for _, m in self.model.named_modules()}
+        # Passes never step an optimizer, so parameters do not change; buffers do (BatchNorm's running
+        # statistics), and are put back before every pass. Parameters are checked, not copied.
         self._initial = [t.detach().clone() for t in self._state_tensors()]
+        self._param_versions = [p._version for p in self.model.parameters()]
         self.layers: dict[int, LayerRecord] = {}
         self.grad_all = MagnitudeHistogram()
         self.reference: RunRecord | None = None
@@ -140,6 +144,7 @@ class CaptureSession:
         self._call_index: dict[int, int] = {}
         self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
         self._clone_cache: dict[int, tuple[int, torch.Tensor]] = {}
+        self._stat_cache: dict[tuple, tuple[torch.Tensor, Any]] = {}  # per pass; holds the tensors it keys
         self._loss_scale = 1.0
         self._hooks: list[Any] = []
         self._exit = contextlib.ExitStack()
@@ -173,7 +178,7 @@ class CaptureSession:
     def _state_tensors(self) -> list[torch.Tensor]:
         seen: set[int] = set()
         out = []
-        for t in list(self.model.parameters()) + list(self.model.buffers()):
+        for t in self.model.buffers():
             if id(t) not in seen:
                 seen.add(id(t))
                 out.append(t)
@@ -183,6 +188,10 @@ class CaptureSession:
         with torch.no_grad():
             for t, saved in zip(self._state_tensors(), self._initial):
                 t.copy_(saved)
+        if [p._version for p in self.model.parameters()] != self._param_versions:
+            raise ModelRunError("the model changed its own parameters in place during a forward pass, so passes "
+                                "in different formats would not start from the same weights",
+                                hint="audit a model whose forward does not modify its parameters")
         for p in self.model.parameters():
             p.grad = None
         torch.manual_seed(self.config.seed)
@@ -192,6 +201,7 @@ class CaptureSession:
         self._own_ops.clear()
         self._pre_rng.clear()
         self._call_index.clear()
+        self._stat_cache.clear()
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         cuda = torch.cuda.get_rng_state() if self.config.mode == "cuda" else None
@@ -250,6 +260,30 @@ class CaptureSession:
             self.layers[id(m)] = rec
         return rec
 
+    # A module's output is often its parent's too (a Sequential returns its last child's output): statistics of
+    # one tensor are computed once per pass and merged into every record that sees it.
+    @staticmethod
+    def _tensor_key(t: torch.Tensor) -> tuple:
+        return (id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype)
+
+    def _hist_of(self, t: torch.Tensor) -> MagnitudeHistogram:
+        key = self._tensor_key(t)
+        hit = self._stat_cache.get(key)
+        if hit is None or hit[0] is not t:
+            h = MagnitudeHistogram()
+            h.update(t)
+            hit = self._stat_cache[key] = (t, h)
+        return hit[1]
+
+    def _error_of(self, r: torch.Tensor, y: torch.Tensor) -> ErrorStats:
+        key = ("err", self._tensor_key(r), self._tensor_key(y))
+        hit = self._stat_cache.get(key)
+        if hit is None or hit[0] is not y:
+            e = ErrorStats()
+            e.update(r, y)
+            hit = self._stat_cache[key] = (y, e)
+        return hit[1]
+
     def _clone_ref(self, t: torch.Tensor) -> torch.Tensor:
         hit = self._clone_cache.get(id(t))
         if hit is not None and hit[0] == t._version and hit[1].shape == t.shape:
@@ -299,7 +333,7 @@ class CaptureSession:
         if rec.calls == 1:
             rec.output_shapes = [list(y.shape) for y in ys]
         for y in ys:
-            rec.activation.update(y)
+            rec.activation.merge(self._hist_of(y))
         self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
         computes = own_ops > 0
         rec.computes = rec.computes or computes
@@ -356,8 +390,11 @@ class CaptureSession:
 
     def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str]) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
-        # the version of tensors the reference pass saved for its backward.
-        with torch.no_grad(), self._autocast(fmt):
+        # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
+        # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op.
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt):
             if not buffer_names:
                 return m(*args, **kwargs)
             buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}
@@ -371,14 +408,14 @@ class CaptureSession:
         k = self._call_index.get(id(m), 0)
         self._call_index[id(m)] = k + 1
         for y in ys:
-            fs.activation.update(y)
+            fs.activation.merge(self._hist_of(y))
             fs.output_dtypes.add(str(y.dtype).removeprefix("torch."))
         refs = self._ref_outputs.get(id(m), [])
         if k >= len(refs) or len(refs[k]) != len(ys) or any(r.shape != y.shape for r, y in zip(refs[k], ys)):
             fs.unmatched_calls += 1
             return
         for r, y in zip(refs[k], ys):
-            fs.accumulated.update(r, y)
+            fs.accumulated.merge(self._error_of(r, y))
 
     def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, torch.Tensor] | None = None):
         phase = self._phase
@@ -449,8 +486,12 @@ class CaptureSession:
                     hint="fix the model or the batch in FP32 first (check for NaN weights or inputs, log of 0, ...)",
                 )
             self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
-            with self._fp32_reference_switches():
-                loss.backward()
+            try:
+                with self._fp32_reference_switches():
+                    loss.backward()
+            except Exception as e:
+                raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
+                                    hint="check the model's custom autograd code (backward) in FP32 first") from e
             self._record_peak("fp32")
         finally:
             self._phase = None
@@ -464,6 +505,7 @@ class CaptureSession:
                 rec.grad_param.update(p.grad)
                 self.grad_all.update(p.grad)
         self._clone_cache.clear()
+        self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
         return self.reference
 
@@ -478,8 +520,11 @@ class CaptureSession:
             run.loss = float(loss.detach().float())
             self._phase = None
             # grads are recorded per layer through the hooks registered during the forward
-            with self._backward_context():
-                (loss.float() * loss_scale).backward()
+            try:
+                with self._backward_context():
+                    (loss.float() * loss_scale).backward()
+            except Exception as e:  # a backward that fails only in low precision is this format's finding
+                raise _RunFailure(e, "(backward pass)") from e
             self._record_peak(fmt.value)
         except _RunFailure as f:
             self._phase = None
@@ -508,6 +553,7 @@ class CaptureSession:
         if root is not None and fmt in root.formats and root.formats[fmt].local is None:
             root.formats[fmt].local = copy.deepcopy(root.formats[fmt].accumulated)
         run.wall_s = time.perf_counter() - t0
+        self._stat_cache.clear()
         self.runs[fmt] = run
         return run
 

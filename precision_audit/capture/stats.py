@@ -69,27 +69,29 @@ class MagnitudeHistogram:
 
     def update(self, x: torch.Tensor) -> None:
         x = x.detach()
-        if x.numel() == 0:
+        n = x.numel()
+        if n == 0:
             return
         a = x.abs().flatten()
         if a.dtype != torch.float32:
             a = a.float()  # exact: every fp16/bf16/fp8 value is a float32 value; fp64 beyond fp32 range is rare
-        self.total += a.numel()
-        finite = torch.isfinite(a)
-        n_finite = int(finite.sum())
-        if n_finite != a.numel():
+        self.total += n
+        if not bool(torch.isfinite(a).all()):
             self.nans += int(torch.isnan(a).sum())
             self.infs += int(torch.isinf(a).sum())
-            a = a[finite]
-        if a.numel() == 0:
+            a = a[torch.isfinite(a)]
+            if a.numel() == 0:
+                return
+        # zeros land in bucket 0 (0 < the first edge) and are taken out of it again
+        zeros = int((a == 0).sum())
+        self.zeros += zeros
+        if zeros == a.numel():
             return
-        nz = a[a != 0]
-        self.zeros += a.numel() - nz.numel()
-        if nz.numel() == 0:
-            return
-        self.amax = max(self.amax, float(nz.max()))
-        idx = torch.bucketize(nz, boundaries(str(nz.device)), right=True)
-        self.counts += torch.bincount(idx, minlength=self.counts.numel()).cpu()
+        self.amax = max(self.amax, float(a.max()))
+        idx = torch.bucketize(a, boundaries(str(a.device)), right=True)
+        counts = torch.bincount(idx, minlength=self.counts.numel()).cpu()
+        counts[0] -= zeros
+        self.counts += counts
 
     def merge(self, other: "MagnitudeHistogram") -> None:
         self.counts += other.counts
@@ -174,21 +176,21 @@ class ErrorStats:
     nonfinite: int = 0  # non-finite elements in y_p where y is finite
 
     def update(self, ref: torch.Tensor, p: torch.Tensor) -> None:
-        ref = ref.detach().to(torch.float64)
-        p = p.detach().to(ref.device, torch.float64)
         if ref.shape != p.shape:
             raise ValueError(f"shape mismatch {tuple(ref.shape)} vs {tuple(p.shape)}")
-        self.n += ref.numel()
-        bad = ~torch.isfinite(p)
-        if bool(bad.any()):
-            self.nonfinite += int(bad.sum())
-        diff = p - ref
-        self.sum_ref2 += float((ref * ref).sum())
-        self.sum_diff2 += float((diff * diff).sum())
-        self.sum_dot += float((ref * p).sum())
-        self.sum_p2 += float((p * p).sum())
-        if ref.numel():
-            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+        r = ref.detach().to(torch.float64).flatten()
+        q = p.detach().to(r.device, torch.float64).flatten()
+        self.n += r.numel()
+        if r.numel() == 0:
+            return
+        if not bool(torch.isfinite(q).all()):
+            self.nonfinite += int((~torch.isfinite(q)).sum())
+        d = q - r
+        self.sum_ref2 += float(torch.dot(r, r))
+        self.sum_diff2 += float(torch.dot(d, d))
+        self.sum_dot += float(torch.dot(r, q))
+        self.sum_p2 += float(torch.dot(q, q))
+        self.max_abs = max(self.max_abs, float(d.abs().max()))
 
     def merge(self, o: "ErrorStats") -> None:
         self.n += o.n

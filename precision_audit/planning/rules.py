@@ -177,6 +177,25 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
                                                " (no GEMM of its own: autocast's op policy decides its precision)"
                                                if L.computes else " (no computation of its own)"))
         plan.layers[L.name] = lp
+    # modules tied to a planned module share its format, GEMM or not (an Embedding tied to an LM head)
+    members: dict[str, list[str]] = {}
+    for n, g in groups.items():
+        members.setdefault(g, []).append(n)
+    for g, names in members.items():
+        planned = [result.decisions[n] for n in names if n in result.decisions]
+        if not planned:
+            continue
+        fmt = planned[0].format
+        for n in names:
+            if n in result.decisions or n not in plan.layers:
+                continue
+            lp = LayerPlan(fmt, f"shares parameters with {', '.join(m for m in names if m in result.decisions)}: "
+                                "one format for all")
+            plan.layers[n] = lp
+            if fmt is not default:
+                plan.overrides[n] = lp
+            else:
+                plan.overrides.pop(n, None)
     return plan, result
 
 
