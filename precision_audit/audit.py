@@ -29,7 +29,7 @@ from .errors import AuditError, ModelRunError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
-from .loading import Batch, LossSpec, load_batch, load_model, output_structure, resolve_loss
+from .loading import Batch, check_trainable, LossSpec, load_batch, load_model, output_structure, resolve_loss
 from .outputs import check_out_dir, write_files
 from .planning.rules import Plan, make_planned
 from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
@@ -153,6 +153,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
 
     say("loading the model and the batch")
     model, source = load_model(opts.model)
+    check_trainable(model, source)
     batch = load_batch(opts.batch, model, source)
 
     hw = detect()

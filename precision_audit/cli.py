@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"precision-audit: error: {e.message}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("precision-audit: interrupted; no output file was replaced", file=sys.stderr)
+        print("precision-audit: interrupted; no half-written file was left in --out", file=sys.stderr)
         return 130
 
 
@@ -131,7 +131,7 @@ def _run_audit(argv: list[str]) -> int:
 
     opts = AuditOptions(
         model=args.model, batch=args.batch, out=Path(args.out), target=args.target,
-        formats=parse_formats(args.formats) if args.formats else None, device=args.device,
+        formats=parse_formats(args.formats) if args.formats is not None else None, device=args.device,
         emulate=args.emulate, steps=args.steps, seed=args.seed, budget=_budget(args.budget),
     )
     from .report.terminal import Progress, summary_text

@@ -53,16 +53,23 @@ def _umask() -> int:
 
 
 class _NoInterrupt:
-    """Block SIGINT in the main thread while inside (a pending Ctrl-C is delivered on exit)."""
+    """Hold a Ctrl-C back while inside and raise it on exit (main thread only).
+
+    A Python-level handler, not pthread_sigmask: the kernel may hand a process-directed SIGINT to any thread
+    that does not block it (torch's worker threads), and Python then still raises in the main thread.
+    """
 
     def __enter__(self) -> None:
+        self._pending: list[int] = []
         self._old = None
-        if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_sigmask"):
-            self._old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, lambda signum, frame: self._pending.append(signum))
 
     def __exit__(self, *exc: object) -> None:
         if self._old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+            signal.signal(signal.SIGINT, self._old)
+            if self._pending and exc[0] is None:
+                raise KeyboardInterrupt
 
 
 def write_files(out: Path, files: dict[str, str | bytes]) -> list[Path]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import ModelRunError, NumericsError
+from ..errors import AuditError, ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from .memory import SavedTensorCounter
 from .ops import record_op
@@ -301,7 +301,7 @@ class CaptureSession:
             return
         self._stack.append(id(m))
         self._own_ops.append(0)
-        self._pre_rng.append(self._rng_state() if self._phase == "ref" else None)
+        self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs)) if self._phase == "ref" else None)
         if self._phase == "ref":
             self._layer(m)  # records are ordered by first call (pre-order of execution)
 
@@ -353,6 +353,7 @@ class CaptureSession:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[torch.Tensor]] = {}
+        pre_rng, snapshot = pre_rng
         self._rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
@@ -360,6 +361,8 @@ class CaptureSession:
             for fmt in self.config.formats:
                 fs = rec.formats[fmt]
                 self._set_rng_state(pre_rng)
+                if snapshot is not None:  # objects the call may have changed (a KV cache): as they were before it
+                    args, kwargs = copy.deepcopy(snapshot)
                 try:
                     try:
                         out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
@@ -456,6 +459,10 @@ class CaptureSession:
                                 "weight_copy_bytes": counter.tally.weight_copy_bytes}
             for mid, nbytes in counter.tally.by_module.items():
                 self._layer(self._modules[mid]).saved_bytes[key] = nbytes
+        except (torch.OutOfMemoryError, AuditError):
+            # the user's own errors (a loss_fn returning a vector) and OOM (cli.py advises a smaller batch) pass as is
+            self._stack.clear()
+            raise
         except Exception as e:
             where = self._names.get(self._stack[-1], "?") if self._stack else None
             self._stack.clear()
@@ -489,6 +496,8 @@ class CaptureSession:
             try:
                 with self._fp32_reference_switches():
                     loss.backward()
+            except torch.OutOfMemoryError:
+                raise
             except Exception as e:
                 raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
                                     hint="check the model's custom autograd code (backward) in FP32 first") from e
@@ -523,6 +532,8 @@ class CaptureSession:
             try:
                 with self._backward_context():
                     (loss.float() * loss_scale).backward()
+            except torch.OutOfMemoryError:
+                raise
             except Exception as e:  # a backward that fails only in low precision is this format's finding
                 raise _RunFailure(e, "(backward pass)") from e
             self._record_peak(fmt.value)
@@ -741,6 +752,42 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+def _holds_objects(value: Any) -> bool:
+    """Whether an argument holds something other than tensors, plain values and containers of them."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, complex, str, bytes, torch.dtype,
+                                           torch.device, torch.Size, slice, type(Ellipsis))):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_holds_objects(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_objects(v) for v in value.values())
+    return True
+
+
+def _snapshot_state(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A copy of the call's arguments taken before it runs, when they hold mutable objects (a KV cache the
+    call appends to): the local re-runs must see them as the call did. Tensors are not copied (memo)."""
+    if not (_holds_objects(args) or _holds_objects(kwargs)):
+        return None
+    memo: dict[int, Any] = {}
+    for t in _tensors_in((args, kwargs)):
+        memo[id(t)] = t
+    try:
+        return copy.deepcopy((args, kwargs), memo)
+    except Exception:  # an object that cannot be copied: the re-runs use the live arguments
+        return None
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
 
 
 class _RunFailure(Exception):
