@@ -325,6 +325,7 @@ def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: t
 
 
 MAX_REPAIRS = 4
+MAX_TIMED_GEMMS = 16  # GPU only: distinct GEMMs timed in isolation, largest first
 
 
 def _verify_and_repair(session, model, fp, n_modules, target, plan, policy, analysis, result, say):
@@ -392,6 +393,19 @@ def _measure_gemms_on_gpu(capture, perf, target: GpuSpec, device: str, formats: 
         return
     dtype = LOW_PRECISION_DTYPES[fmt]
     fp32_peak = target.peak("fp32")
+    # achieved TFLOP/s of the largest distinct GEMMs, judged against the FP32 non-Tensor-Core peak
+    distinct: dict[tuple, tuple[str, Any]] = {}
+    for rec in capture.layers:
+        for g, _ in rec.ops.gemms.values():
+            if g.kind == "matmul":
+                distinct.setdefault((g.m, g.n, g.k, g.batch), (rec.name, g))
+    largest = sorted(distinct.values(), key=lambda ng: -ng[1].flops)[:MAX_TIMED_GEMMS]
+    for name, g in largest:
+        lp = perf.layers.get(name)
+        if lp is not None and lp.cost is not None:
+            lp.cost.setdefault("measured_gemms", []).append(
+                {"format": fmt.value, "gemm": {"m": g.m, "n": g.n, "k": g.k, "batch": g.batch},
+                 **measure(g, dtype, device, fp32_peak), "peak_tflops": target.peak(fmt.value)})
     for rec in capture.layers:
         lp = perf.layers.get(rec.name)
         if lp is None:

@@ -1,0 +1,57 @@
+"""On a GPU: measured per-layer times, padded-vs-misaligned GEMM timings, and predicted vs measured speedup.
+
+Skipped without CUDA. Run with: python -m pytest -m gpu tests/gpu -q -s   (-s prints the figures)
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from conftest import ROOT, layer
+from precision_audit.audit import AuditOptions, run_audit
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _gpt(tmp_path, n_layer, d_model, vocab, batch, seq):
+    f = tmp_path / f"gpt_{n_layer}_{d_model}.py"
+    f.write_text(textwrap.dedent(f"""
+        import importlib.util, torch
+        spec = importlib.util.spec_from_file_location("tiny_gpt_base", {str(ROOT / 'sample_models/tiny_gpt/model.py')!r})
+        base = importlib.util.module_from_spec(spec); spec.loader.exec_module(base)
+        def build_model():
+            return base.build_model(n_layer={n_layer}, d_model={d_model}, vocab_size={vocab}, block_size={seq},
+                                    n_head=max(1, {d_model} // 64))
+        loss_fn = base.loss_fn
+        def sample_batch():
+            g = torch.Generator().manual_seed(0)
+            idx = torch.randint(0, {vocab}, ({batch}, {seq}), generator=g)
+            return idx, torch.roll(idx, -1, 1)
+    """))
+    return f
+
+
+def test_measured_layer_times_and_padded_gemm_timing(tmp_path):
+    a = run_audit(AuditOptions(model=str(_gpt(tmp_path, 2, 256, 50257, 8, 128)), out=tmp_path / "o",
+                               target="h100", steps=3)).audit
+    assert a["mode"] == "cuda"
+    head = layer(a, "lm_head")
+    assert head["cost"]["measured_forward_time_s"]["bf16"] > 0
+    measured = [f["measured"] for f in head["alignment"] if f.get("measured")]
+    assert measured, "the misaligned LM head GEMM is timed as is and padded"
+    m = measured[0]
+    print("lm_head bf16 GEMM as is:", m["as_is"], "padded:", m["padded"])
+    assert m["as_is"]["measured_s"] > 0 and m["padded"]["measured_s"] > 0
+
+
+def test_predicted_vs_measured_bf16_speedup_on_a_gpt_that_fills_the_gpu(tmp_path):
+    a = run_audit(AuditOptions(model=str(_gpt(tmp_path, 12, 1024, 50304, 16, 512)), out=tmp_path / "o",
+                               target="h100", steps=3, formats=None)).audit
+    measured = a["summary"]["fp32"]["step_time"]["measured_s"] / a["summary"]["bf16"]["step_time"]["measured_s"]
+    predicted = a["estimates"]["speedup_vs_fp32"]["bf16"]
+    print(f"BF16 over FP32: predicted {predicted:.2f}x, measured {measured:.2f}x on {torch.cuda.get_device_name()}")
+    assert measured > 1.5, "BF16 should be clearly faster than strict FP32 on a GPU this size"
+    assert 0.2 < measured / predicted < 5, "the cost model should be within a factor of a few of reality"
