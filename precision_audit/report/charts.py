@@ -209,7 +209,7 @@ def error_by_layer(names: Sequence[str], series: dict[str, ErrorSeries], chart_i
                 "Relative L2 error of each layer's output against FP32, per format, in execution order; "
                 "dashed: local (the layer alone on FP32 inputs), solid: accumulated (in the all-low-precision run). "
                 "Log scale.")
-    out += _axes(fr, ticks, _x_ticks_for_layers(n), "layer (in the order its forward finished)",
+    out += _axes(fr, ticks, _x_ticks_for_layers(n), "layer (in the order its forward started)",
                  "relative L2 error (log)")
     legend = []
     for fmt, s in series.items():
@@ -302,7 +302,7 @@ def ranges(layers: Sequence[LayerRange], bands: Sequence[Band], chart_id: str = 
                    f'{_pow2_label(fp16.normal)} to 65504</title></rect>')
         out.append("</g>")
     out += _axes(fr, ticks, [(float(t), label) for t, label in _x_ticks_for_layers(n)],
-                 "layer (in the order its forward finished)", "magnitude (log2)")
+                 "layer (in the order its forward started)", "magnitude (log2)")
     # Rulers: one column per format on the right.
     out.append('<g class="rulers">')
     for k, b in enumerate(bands):
@@ -424,7 +424,7 @@ def time_by_layer(names: Sequence[str], times: dict[str, list[float | None]], ch
     out = _open(chart_id, f"{label.capitalize()} per layer per format",
                 f"For each layer, one bar per format: its {label} in seconds, log scale.")
     yt = [(float(d), _seconds(10.0 ** d)) for d in range(lo, hi + 1)]
-    out += _axes(fr, yt, _x_ticks_for_layers(n), "layer (in the order its forward finished)", f"{label} (log)")
+    out += _axes(fr, yt, _x_ticks_for_layers(n), "layer (in the order its forward started)", f"{label} (log)")
     k = max(len(times), 1)
     slot = (fr.px1 - fr.px0) / max(n, 1)
     bw = slot * 0.8 / k
