@@ -9,7 +9,7 @@ import torch
 
 from ..formats import Format
 from .ops import ModuleOps
-from .stats import ErrorStats, MagnitudeHistogram
+from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 
 
 def float_tensors(obj: Any) -> list[torch.Tensor]:
@@ -41,8 +41,8 @@ class FormatLayerStats:
     accumulated: ErrorStats = field(default_factory=ErrorStats)
     local: ErrorStats | None = None
     local_note: str | None = None  # why local error is not measured, when it is not
-    activation: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # outputs as computed in p
-    grad_output: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # dL/dy in p, times loss scale
+    activation: RangeSummary = field(default_factory=RangeSummary)  # outputs as computed in p
+    grad_output: RangeSummary = field(default_factory=RangeSummary)  # dL/dy in p, times loss scale
     grad_param_nonfinite: int = 0
     output_dtypes: set[str] = field(default_factory=set)
     calls: int = 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..errors import AuditError, ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
@@ -33,7 +33,7 @@ from .ops import record_op
 from .emulation import (KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast,
                         is_missing_low_precision_kernel, rounding_registry_paused)
 from .records import CaptureResult, FormatLayerStats, LayerRecord, RunRecord, float_tensors
-from .stats import ErrorStats, MagnitudeHistogram
+from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +275,15 @@ class CaptureSession:
             hit = self._stat_cache[key] = (t, h)
         return hit[1]
 
+    def _summary_of(self, t: torch.Tensor) -> RangeSummary:
+        key = ("sum", self._tensor_key(t))
+        hit = self._stat_cache.get(key)
+        if hit is None or hit[0] is not t:
+            h = RangeSummary()
+            h.update(t)
+            hit = self._stat_cache[key] = (t, h)
+        return hit[1]
+
     def _error_of(self, r: torch.Tensor, y: torch.Tensor) -> ErrorStats:
         key = ("err", self._tensor_key(r), self._tensor_key(y))
         hit = self._stat_cache.get(key)
@@ -299,11 +308,12 @@ class CaptureSession:
             return
         if self._phase is None or self._rerunning:
             return
-        self._stack.append(id(m))
-        self._own_ops.append(0)
-        self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs)) if self._phase == "ref" else None)
-        if self._phase == "ref":
-            self._layer(m)  # records are ordered by first call (pre-order of execution)
+        with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
+            self._stack.append(id(m))
+            self._own_ops.append(0)
+            self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs)) if self._phase == "ref" else None)
+            if self._phase == "ref":
+                self._layer(m)  # records are ordered by first call (pre-order of execution)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._phase == "profile":
@@ -313,6 +323,12 @@ class CaptureSession:
             return
         if not self._stack or self._stack[-1] != id(m):
             return  # a hook registered mid-call; ignore
+        # The statistics below run tensor ops; the op tracker must not see them (they are not the model's
+        # work, and would make a parent module look as if it computed something itself).
+        with _disable_current_modes():
+            self._post_hook_body(m, args, kwargs, output)
+
+    def _post_hook_body(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._stack.pop()
         own_ops = self._own_ops.pop()
         pre_rng = self._pre_rng.pop()
@@ -395,8 +411,6 @@ class CaptureSession:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
         # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op.
-        from torch.utils._python_dispatch import _disable_current_modes
-
         with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt):
             if not buffer_names:
                 return m(*args, **kwargs)
@@ -411,7 +425,7 @@ class CaptureSession:
         k = self._call_index.get(id(m), 0)
         self._call_index[id(m)] = k + 1
         for y in ys:
-            fs.activation.merge(self._hist_of(y))
+            fs.activation.merge(self._summary_of(y))
             fs.output_dtypes.add(str(y.dtype).removeprefix("torch."))
         refs = self._ref_outputs.get(id(m), [])
         if k >= len(refs) or len(refs[k]) != len(ys) or any(r.shape != y.shape for r, y in zip(refs[k], ys)):
@@ -427,8 +441,10 @@ class CaptureSession:
             if g is None:
                 return
             if phase == "ref":
-                rec.grad_output.update(g)
-                self.grad_all.update(g)
+                h = MagnitudeHistogram()
+                h.update(g)
+                rec.grad_output.merge(h)
+                self.grad_all.merge(h)
                 for f, d in (diffs or {}).items():
                     impact = float((g.detach().double() * d.double()).sum())
                     fs = rec.formats[f]
@@ -511,8 +527,10 @@ class CaptureSession:
                 if id(p) in seen or p.grad is None:
                     continue
                 seen.add(id(p))
-                rec.grad_param.update(p.grad)
-                self.grad_all.update(p.grad)
+                h = MagnitudeHistogram()
+                h.update(p.grad)
+                rec.grad_param.merge(h)
+                self.grad_all.merge(h)
         self._clone_cache.clear()
         self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)

@@ -158,6 +158,44 @@ class MagnitudeHistogram:
         return out
 
 
+@dataclass
+class RangeSummary:
+    """Largest finite magnitude and special-value counts only: for the low-precision passes, whose range
+    fractions are not needed (the FP32 histograms predict them exactly), this skips the bucket counts."""
+
+    total: int = 0
+    zeros: int = 0
+    nans: int = 0
+    infs: int = 0
+    amax: float = 0.0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach()
+        if x.numel() == 0:
+            return
+        a = x.abs()
+        self.total += a.numel()
+        finite = torch.isfinite(a)
+        if not bool(finite.all()):
+            self.nans += int(torch.isnan(a).sum())
+            self.infs += int(torch.isinf(a).sum())
+            a = a[finite]
+        if a.numel():
+            self.zeros += int((a == 0).sum())
+            self.amax = max(self.amax, float(a.max()))
+
+    def merge(self, other: "RangeSummary") -> None:
+        self.total += other.total
+        self.zeros += other.zeros
+        self.nans += other.nans
+        self.infs += other.infs
+        self.amax = max(self.amax, other.amax)
+
+    @property
+    def nonfinite(self) -> int:
+        return self.nans + self.infs
+
+
 def _as_edge(t: float) -> float:
     """The float32 value of t, which is how it is stored in the edge list."""
     return float(torch.tensor(t, dtype=torch.float32))
