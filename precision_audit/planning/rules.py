@@ -1,4 +1,9 @@
-"""A first precision plan from plain rules (the cost-aware planner replaces it later).
+"""From planner decisions to a Plan for every module, and the plain-rules plan used when the planner cannot run.
+
+:func:`make_planned` builds the planner's candidates (modules with a GEMM of their own) from the findings,
+runs :func:`~precision_audit.planning.planner.plan_formats`, and gives every other module its format and
+reason (tied modules share the planned format). :func:`make_plan` is the fallback when no first-order impact
+was measured (no low-precision format, or no module with a GEMM), with these rules:
 
 - The default format is BF16 where the target has BF16 Tensor Cores, else FP16, else FP32.
 - A module whose FP32 outputs do not fit the default format (or whose low-precision re-run is not finite)
