@@ -75,7 +75,9 @@ def _audit_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="where the model runs (default: cuda when available)")
     p.add_argument("--emulate", action="store_true", help="emulate CUDA numerics on the CPU even when a GPU is present")
-    p.add_argument("--steps", type=int, default=1, metavar="N", help="clean timed steps per format (default: 1; 0 skips timing)")
+    p.add_argument("--steps", type=int, default=1, metavar="N",
+                   help="timed steps per format under torch.profiler, after one warm-up step; traces go to "
+                        "DIR/tb (default: 1; 0 skips timing and traces)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for every pass (default: 0)")
     p.add_argument("--budget", metavar="SPEC", default="",
                    help="error budget, e.g. loss=0.01,output=0.05 (defaults: relative loss change 0.01, "
