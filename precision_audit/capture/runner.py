@@ -266,32 +266,24 @@ class CaptureSession:
     def _tensor_key(t: torch.Tensor) -> tuple:
         return (id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype)
 
-    def _hist_of(self, t: torch.Tensor) -> MagnitudeHistogram:
-        key = self._tensor_key(t)
+    def _cached(self, kind: str, tensors: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
+        """``make()``'s statistics object for these tensors, computed once per pass."""
+        key = (kind, *(self._tensor_key(t) for t in tensors))
         hit = self._stat_cache.get(key)
-        if hit is None or hit[0] is not t:
-            h = MagnitudeHistogram()
-            h.update(t)
-            hit = self._stat_cache[key] = (t, h)
+        if hit is None or hit[0] is not tensors[-1]:
+            stats = make()
+            stats.update(*tensors)
+            hit = self._stat_cache[key] = (tensors[-1], stats)
         return hit[1]
+
+    def _hist_of(self, t: torch.Tensor) -> MagnitudeHistogram:
+        return self._cached("hist", (t,), MagnitudeHistogram)
 
     def _summary_of(self, t: torch.Tensor) -> RangeSummary:
-        key = ("sum", self._tensor_key(t))
-        hit = self._stat_cache.get(key)
-        if hit is None or hit[0] is not t:
-            h = RangeSummary()
-            h.update(t)
-            hit = self._stat_cache[key] = (t, h)
-        return hit[1]
+        return self._cached("sum", (t,), RangeSummary)
 
     def _error_of(self, r: torch.Tensor, y: torch.Tensor) -> ErrorStats:
-        key = ("err", self._tensor_key(r), self._tensor_key(y))
-        hit = self._stat_cache.get(key)
-        if hit is None or hit[0] is not y:
-            e = ErrorStats()
-            e.update(r, y)
-            hit = self._stat_cache[key] = (y, e)
-        return hit[1]
+        return self._cached("err", (r, y), ErrorStats)
 
     def _clone_ref(self, t: torch.Tensor) -> torch.Tensor:
         hit = self._clone_cache.get(id(t))

@@ -95,11 +95,7 @@ class MagnitudeHistogram:
 
     def merge(self, other: "MagnitudeHistogram") -> None:
         self.counts += other.counts
-        self.total += other.total
-        self.zeros += other.zeros
-        self.nans += other.nans
-        self.infs += other.infs
-        self.amax = max(self.amax, other.amax)
+        _merge_specials(self, other)
 
     @property
     def nonzero_finite(self) -> int:
@@ -185,15 +181,19 @@ class RangeSummary:
             self.amax = max(self.amax, float(a.max()))
 
     def merge(self, other: "RangeSummary") -> None:
-        self.total += other.total
-        self.zeros += other.zeros
-        self.nans += other.nans
-        self.infs += other.infs
-        self.amax = max(self.amax, other.amax)
+        _merge_specials(self, other)
 
     @property
     def nonfinite(self) -> int:
         return self.nans + self.infs
+
+
+def _merge_specials(a: "MagnitudeHistogram | RangeSummary", b: "MagnitudeHistogram | RangeSummary") -> None:
+    a.total += b.total
+    a.zeros += b.zeros
+    a.nans += b.nans
+    a.infs += b.infs
+    a.amax = max(a.amax, b.amax)
 
 
 def _as_edge(t: float) -> float:
