@@ -1,14 +1,19 @@
 """P2: emulated BF16/FP16 training step vs the FP32 step, and vs CPU-native autocast, measured in one run.
 
     python bench/emulation_overhead.py [--model sample_models/mlp/model.py] [--batch sample_models/mlp/sample.pt]
-                                       [--repeats 50] [--scale-batch 1]
+                                       [--repeats 50] [--rounds 9] [--scale-batch 1] [--probe] [--native]
+                                       [--no-compiled]
 
-Goal: emulated step <= 1.5x the FP32 step. Prints medians and ratios; nothing here is a test.
+Goal: emulated step <= 1.5x the FP32 step. Times the FP32 step and the emulated BF16/FP16 steps with the Python
+kernels and with the compiled ones (built first when missing: ~15 s, needs a C++ compiler and ninja), in
+interleaved rounds, and prints the best and the median round of each with its ratio to FP32. Nothing here is a
+test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -19,26 +24,37 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from precision_audit.capture import compiled  # noqa: E402
 from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast  # noqa: E402
+from precision_audit.errors import AuditError  # noqa: E402
 from precision_audit.loading import load_batch, load_model, resolve_loss  # noqa: E402
 
 
-def timed(step, repeats: int) -> float:
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed_rounds(steps: dict, repeats: int, rounds: int) -> dict[str, list[float]]:
+    """Per step, the mean time of ``repeats`` calls in each of ``rounds`` rounds, the steps interleaved round by
+    round so that a slow spell of a shared machine hits them all alike. ``steps`` maps a name to
+    (context, step); the context (e.g. a CudaAutocastPolicy) is entered around that step's round only."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, (ctx, step) in steps.items():
+            with ctx():
+                for _ in range(3):
+                    step()
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    step()
+                times[name].append((time.perf_counter() - t0) / repeats)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "sample_models" / "mlp" / "model.py"))
     ap.add_argument("--batch", default=str(ROOT / "sample_models" / "mlp" / "sample.pt"))
-    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=50, help="steps per timed round (default: 50)")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds; best and median are printed (default: 9)")
+    ap.add_argument("--no-compiled", action="store_true",
+                    help="time the Python kernels only (default: also the compiled ones, building them if needed)")
     ap.add_argument("--scale-batch", type=int, default=1, help="repeat the batch along dim 0 this many times")
     ap.add_argument("--native", action="store_true", help="also time CPU-native autocast (slow: ~100x for GEMMs)")
     ap.add_argument("--probe", action="store_true",
@@ -66,19 +82,36 @@ def main() -> None:
             loss.backward()
         return run
 
-    results = {"fp32": timed(step(lambda: torch.autocast("cpu", enabled=False)), args.repeats)}
-    with CudaAutocastPolicy():
+    kernel_kinds = ["python"]
+    if not args.no_compiled:
+        if not compiled.is_built():
+            print("building the compiled kernels (precision-audit build-kernels)...", flush=True)
+            try:
+                path, seconds = compiled.build()
+                print(f"  built {path} in {seconds:.1f} s")
+            except AuditError as e:
+                print(f"  not measured: compiled kernels: {e.message}")
+        if compiled.load():
+            kernel_kinds.append("compiled")
+
+    steps = {"fp32": (contextlib.nullcontext, step(lambda: torch.autocast("cpu", enabled=False)))}
+    for kinds in kernel_kinds:
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            results[f"emulated {name}"] = timed(step(lambda dt=dt: emulated_autocast(dt)), args.repeats)
+            steps[f"emulated {name}, {kinds} kernels"] = (lambda kinds=kinds: CudaAutocastPolicy(kinds),
+                                                          step(lambda dt=dt: emulated_autocast(dt)))
+    times = timed_rounds(steps, args.repeats, args.rounds)
     if args.native:
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            results[f"cpu-native autocast {name}"] = timed(step(lambda dt=dt: torch.autocast("cpu", dtype=dt)),
-                                                           max(3, args.repeats // 10))
-    base = results["fp32"]
-    print(f"model {args.model}  batch x{args.scale_batch}  torch {torch.__version__}  threads {torch.get_num_threads()}")
-    print(f"{'step':<26} {'median ms':>10} {'/ fp32':>8}")
-    for k, v in results.items():
-        print(f"{k:<26} {v * 1e3:>10.3f} {v / base:>8.2f}x")
+            times[f"cpu-native autocast {name}"] = timed_rounds(
+                {"x": (contextlib.nullcontext, step(lambda dt=dt: torch.autocast("cpu", dtype=dt)))},
+                max(3, args.repeats // 10), 1)["x"]
+    base_min, base_med = min(times["fp32"]), statistics.median(times["fp32"])
+    print(f"model {args.model}  batch x{args.scale_batch}  torch {torch.__version__}  threads {torch.get_num_threads()}"
+          f"  {args.rounds} rounds x {args.repeats} steps")
+    print(f"{'step':<36} {'best ms':>8} {'/ fp32':>7} {'median ms':>10} {'/ fp32':>7}")
+    for k, v in times.items():
+        best, med = min(v), statistics.median(v)
+        print(f"{k:<36} {best * 1e3:>8.3f} {best / base_min:>6.2f}x {med * 1e3:>10.3f} {med / base_med:>6.2f}x")
 
 
 if __name__ == "__main__":

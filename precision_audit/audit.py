@@ -24,6 +24,8 @@ from . import __version__
 from .analysis.findings import Analysis, Budget, analyse
 from .analysis.loss_scale import recommend_loss_scale
 from .analysis.performance import performance
+from .capture.compiled import KERNEL_CHOICES
+from .capture.compiled import resolve as resolve_kernels
 from .capture.runner import CaptureConfig, CaptureSession
 from .errors import AuditError, ModelRunError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
@@ -52,12 +54,15 @@ class AuditOptions:
     steps: int = 1
     seed: int = 0
     budget: Budget = field(default_factory=Budget)
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
             raise OptionError(f"unknown --device {self.device!r}", choices=("auto", "cuda", "cpu"))
         if not isinstance(self.steps, int) or self.steps < 0:
             raise OptionError("--steps must be a whole number >= 0", found=repr(self.steps))
+        if self.kernels not in KERNEL_CHOICES:
+            raise OptionError(f"unknown --kernels {self.kernels!r}", choices=KERNEL_CHOICES)
 
 
 @dataclass
@@ -163,8 +168,9 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         target, target_reason = default_target(hw)
     formats, skipped = _select_formats(opts, target)
     device, mode = _resolve_device(opts, hw)
-    say(f"target {target.name} ({target_reason}); {mode} mode on {device}; formats: "
-        f"{', '.join(f.value for f in formats) or 'none'}")
+    kernels = resolve_kernels(opts.kernels) if mode == "emulated" else "python"
+    say(f"target {target.name} ({target_reason}); {mode} mode on {device}"
+        f"{f' ({kernels} kernels)' if mode == 'emulated' else ''}; formats: {', '.join(f.value for f in formats) or 'none'}")
 
     run_batch = batch.to(device)
     loss_box: dict[str, LossSpec] = {}
@@ -180,7 +186,8 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
             loss_box["spec"] = resolve_loss(source, out, run_batch)
         return loss_box["spec"](out, run_batch)
 
-    config = CaptureConfig(formats=formats, device=device, mode=mode, seed=opts.seed, timed_steps=opts.steps)
+    config = CaptureConfig(formats=formats, device=device, mode=mode, seed=opts.seed, timed_steps=opts.steps,
+                           kernels=kernels)
     with CaptureSession(model, forward, loss_of, config, progress=say) as session:
         say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
         session.reference_run()
@@ -240,7 +247,8 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         "formats_skipped": skipped,
         "options": {"model": opts.model, "batch": opts.batch, "out": str(opts.out), "target": opts.target,
                     "formats": [f.value for f in opts.formats] if opts.formats else None, "device": opts.device,
-                    "emulate": opts.emulate, "steps": opts.steps, "seed": opts.seed, "budget": opts.budget.to_dict()},
+                    "emulate": opts.emulate, "steps": opts.steps, "seed": opts.seed, "budget": opts.budget.to_dict(),
+                    "kernels": opts.kernels},
         "model": {
             "class": type(model).__name__,
             "source": source.label,

@@ -53,6 +53,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                loss_of: Callable[[Any], torch.Tensor], policy: Policy, device: str, mode: str,
                opts: VerifyOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train each arm ``opts.steps`` steps; returns the ``verify`` section of audit.json (loss curves etc.)."""
+    from .capture.compiled import resolve as resolve_kernels
     from .capture.emulation import CudaAutocastPolicy, emulated_autocast
 
     say = progress or (lambda m: None)
@@ -74,7 +75,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=[torch.device(device).index or 0] if mode == "cuda" else []))
         if mode != "cuda":
-            stack.enter_context(CudaAutocastPolicy())
+            stack.enter_context(CudaAutocastPolicy(resolve_kernels("auto")))
         for arm, dtype in arms:
             say(f"verify: {opts.steps} training steps under {arm}")
             torch.manual_seed(opts.seed)

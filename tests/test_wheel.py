@@ -8,6 +8,7 @@ import site
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ def test_wheel_in_fresh_venv_renders_a_report(tmp_path):
                             "-w", str(dist), str(ROOT)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     wheel = next(dist.glob("precision_audit-*.whl"))
+    with zipfile.ZipFile(wheel) as zf:  # build-kernels compiles this source from the installed package
+        assert "precision_audit/capture/_emulation_kernels.cpp" in zf.namelist()
 
     env_dir = tmp_path / "fresh"
     venv.EnvBuilder(with_pip=True).create(env_dir)

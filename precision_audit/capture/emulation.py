@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from . import compiled
 from .autocast_policy import CUDA_POLICY, CastPolicy, check_registrations
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ KNOWN_GAPS: tuple[str, ...] = (
 )
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+_COMPILED_ACTIVE = False  # one CudaAutocastPolicy at a time owns the compiled kernels' registrations
 
 
 def _eligible(t: Any) -> bool:
@@ -111,26 +113,55 @@ _ROUNDED: dict[int, _Rounded] | None = None
 _ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
 
 
+def _set_compiled_recording(on: bool) -> None:
+    if compiled.is_loaded():
+        compiled.ops().set_recording(on)
+
+
+def _drain_compiled() -> None:
+    """Move what the compiled kernels recorded into the registry (they keep their own list)."""
+    if _ROUNDED is None or not compiled.is_loaded():
+        return
+    tensors, itemsizes, from_parameter = compiled.ops().drain()
+    for out, itemsize, param in zip(tensors, itemsizes, from_parameter):
+        _ROUNDED[out.untyped_storage().data_ptr()] = _Rounded(out, itemsize, param)
+
+
 def start_rounding_registry() -> dict[int, _Rounded]:
     global _ROUNDED
     _ROUNDED = {}
+    _set_compiled_recording(True)
     return _ROUNDED  # type: ignore[return-value]
 
 
 def stop_rounding_registry() -> None:
     global _ROUNDED
+    _set_compiled_recording(False)
     _ROUNDED = None
+
+
+def rounded_info(storage_ptr: int) -> _Rounded | None:
+    """The registry's entry for a storage, if a rounding made it (None when no registry runs)."""
+    if _ROUNDED is None:
+        return None
+    _drain_compiled()
+    return _ROUNDED.get(storage_ptr)
 
 
 @contextlib.contextmanager
 def rounding_registry_paused() -> Iterator[None]:
     """No registration inside (e.g. a module re-run whose tensors are not part of the measured pass)."""
     global _ROUNDED
+    _drain_compiled()
     saved, _ROUNDED = _ROUNDED, None
+    if saved is not None:
+        _set_compiled_recording(False)
     try:
         yield
     finally:
         _ROUNDED = saved
+        if saved is not None:
+            _set_compiled_recording(True)
 
 
 def _register(src: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -268,14 +299,43 @@ class CudaAutocastPolicy:
             y = torch.nn.functional.layer_norm(x.half(), (64,))   # float32, as on CUDA
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: str = "python") -> None:
+        """``kernels``: ``"python"``, or ``"compiled"`` to use the C++ kernels of :mod:`.compiled` (they must be
+        loaded) for the GEMM-family, fp32 and fp32-with-dtype ops; the others stay Python kernels."""
+        if kernels not in ("python", "compiled"):
+            raise ValueError(f"kernels must be 'python' or 'compiled', not {kernels!r}")
+        if kernels == "compiled" and not compiled.is_loaded():
+            raise RuntimeError("the compiled kernels are not loaded (precision_audit.capture.compiled.load())")
+        self.kernels = kernels
         self._lib: torch.library.Library | None = None
+        self._compiled_on = False
         self.unknown_ops, self.stale_ops = check_registrations()
         self.skipped: list[str] = []
 
+    def _compiled_split(self) -> dict[CastPolicy, list[str]]:
+        """The ops the compiled kernels take: everything of their three policies except einsum, whose
+        3-operand form needs the Python kernel's native path."""
+        global _COMPILED_ACTIVE
+        if self.kernels != "compiled" or _COMPILED_ACTIVE:  # nested inside a compiled policy: Python on top
+            return {}
+        split: dict[CastPolicy, list[str]] = {CastPolicy.LOWER_PRECISION_FP: [], CastPolicy.FP32: [],
+                                              CastPolicy.FP32_SET_OPT_DTYPE: []}
+        for name, policy in CUDA_POLICY.items():
+            if _resolve(name) is None:
+                continue
+            if policy is CastPolicy.LOWER_PRECISION_FP:
+                if name in FP32_COMPUTE_OPS and name != "einsum":
+                    split[policy].append(name)
+            elif policy in split:
+                split[policy].append(name)
+        return split
+
     def __enter__(self) -> "CudaAutocastPolicy":
+        global _COMPILED_ACTIVE
         if self.unknown_ops:
             log.warning("CUDA autocast registers ops this emulation's table lacks: %s", ", ".join(self.unknown_ops))
+        split = self._compiled_split()
+        in_cpp = {name for names in split.values() for name in names}
         lib = torch.library.Library("aten", "IMPL")
         try:
             with warnings.catch_warnings():
@@ -285,7 +345,12 @@ class CudaAutocastPolicy:
                     if op is None:
                         self.skipped.append(name)
                         continue
-                    lib.impl(name, _make_kernel(op, policy, name), "AutocastCPU")
+                    if name not in in_cpp:
+                        lib.impl(name, _make_kernel(op, policy, name), "AutocastCPU")
+                if split:
+                    compiled.ops().enable(split[CastPolicy.LOWER_PRECISION_FP], split[CastPolicy.FP32],
+                                          split[CastPolicy.FP32_SET_OPT_DTYPE])
+                    self._compiled_on = _COMPILED_ACTIVE = True
                 cuda_names = set(CUDA_POLICY)
                 for reg in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
                     name = reg.removeprefix("aten::")
@@ -293,12 +358,17 @@ class CudaAutocastPolicy:
                         # A CPU-only autocast policy (cat/stack promote, fft in fp32, ...): CUDA has none.
                         lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
         except BaseException:
-            lib._destroy()
+            self._lib = lib
+            self.__exit__()
             raise
         self._lib = lib
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _COMPILED_ACTIVE
+        if self._compiled_on:
+            compiled.ops().disable()
+            self._compiled_on = _COMPILED_ACTIVE = False
         if self._lib is not None:
             self._lib._destroy()
             self._lib = None

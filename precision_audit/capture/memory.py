@@ -9,7 +9,6 @@ a GPU.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,7 +42,7 @@ class SavedTensorCounter:
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._seen: set[int] = set()
         self._hooks = None
-        self._registry: weakref.WeakValueDictionary | None = None
+        self._counting = False
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -57,7 +56,7 @@ class SavedTensorCounter:
         if ptr in self._param_ptrs:
             return t
         nbytes = storage.nbytes()
-        info = self._registry.get(ptr) if self._registry is not None else None
+        info = emulation.rounded_info(ptr) if self._counting else None
         if info is not None:
             nbytes = nbytes * info.itemsize // info.tensor.element_size()
             if info.from_parameter:
@@ -74,7 +73,8 @@ class SavedTensorCounter:
         return t
 
     def __enter__(self) -> "SavedTensorCounter":
-        self._registry = emulation.start_rounding_registry()
+        emulation.start_rounding_registry()
+        self._counting = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -82,7 +82,7 @@ class SavedTensorCounter:
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
         emulation.stop_rounding_registry()
-        self._registry = None
+        self._counting = False
 
 
 def _is_parameter_cast(t: torch.Tensor) -> bool:

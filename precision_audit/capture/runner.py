@@ -62,6 +62,7 @@ class CaptureConfig:
     mode: str = "emulated"
     seed: int = 0
     timed_steps: int = 1
+    kernels: str = "python"  # emulated mode: "python" or "compiled" (see capture/compiled.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ("cuda", "emulated"):
@@ -160,7 +161,7 @@ class CaptureSession:
         devices = [torch.device(self.config.device).index or 0] if self.config.mode == "cuda" else []
         es.enter_context(torch.random.fork_rng(devices=devices))
         if self.config.mode == "emulated":
-            self._policy = es.enter_context(CudaAutocastPolicy())
+            self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
         for m in self.model.modules():
             self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
@@ -721,6 +722,7 @@ class CaptureSession:
                 "unknown_cuda_autocast_ops": list(self._policy.unknown_ops),
                 "table_ops_not_registered": list(self._policy.stale_ops),
                 "gemm_ops": "computed in fp32 from rounded inputs, rounded once (in the autocast kernels)",
+                "kernels": self._policy.kernels,
                 "dispatch_mode_used": self._use_gemm_mode,
                 "fp32_fallback_ops": sorted(self._gemm.fallback_ops),
                 "known_gaps": list(KNOWN_GAPS),
