@@ -140,12 +140,14 @@ def _build_kernels(argv: list[str]) -> int:
                     "~/.cache/precision-audit/kernels.")
     p.add_argument("--verbose", "-v", action="store_true", help="show the compiler's output")
     args = p.parse_args(argv)
+    import torch
+
     from .capture import compiled
 
     if compiled.is_built():
         print(f"compiled kernels already built: {compiled.library_path()}")
         return 0
-    print(f"building the compiled kernels for torch {compiled.torch.__version__} (about 15 s on 2 cores)...",
+    print(f"building the compiled kernels for torch {torch.__version__} (about 15 s on 2 cores)...",
           file=sys.stderr, flush=True)
     path, seconds = compiled.build(verbose=args.verbose)
     print(f"built {path} in {seconds:.1f} s")
