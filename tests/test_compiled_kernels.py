@@ -272,3 +272,18 @@ def test_a_failed_compile_leaves_no_build_behind(tmp_path, monkeypatch) -> None:
     assert "error" in str(e.value).lower()
     assert not compiled.is_built()
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_library_that_cannot_be_loaded_falls_back_or_explains(tmp_path, monkeypatch, caplog) -> None:
+    """A damaged cache (here: a file that is not a shared library) must not crash an audit: auto falls back to
+    the Python kernels with a warning, and --kernels compiled says what to delete."""
+    monkeypatch.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled, "_loaded", None)
+    compiled.build_dir().mkdir(parents=True)
+    compiled.library_path().write_bytes(b"not an ELF file")
+    with caplog.at_level("WARNING"):
+        assert compiled.resolve("auto") == "python"
+    assert "cannot be loaded" in caplog.text
+    with pytest.raises(AuditError, match="cannot be loaded") as e:
+        compiled.resolve("compiled")
+    assert "build-kernels" in e.value.message

@@ -17,6 +17,7 @@ The cache folder is ``$PRECISION_AUDIT_KERNEL_DIR`` when set, else ``$XDG_CACHE_
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -27,6 +28,8 @@ from pathlib import Path
 import torch
 
 from ..errors import AuditError
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_emulation_kernels.cpp")
 LIBRARY_NAME = "precision_audit_emu"
@@ -70,7 +73,12 @@ def load() -> bool:
     path = library_path()
     if not path.is_file():
         return False
-    torch.ops.load_library(str(path))
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as e:
+        raise AuditError(f"the compiled kernels in {path} cannot be loaded: {str(e).strip()[:300]}",
+                         hint=f"delete {path.parent} and run precision-audit build-kernels again, "
+                              "or use --kernels python") from None
     _loaded = path
     return True
 
@@ -118,8 +126,14 @@ def resolve(choice: str) -> str:
         raise AuditError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, not {choice!r}")
     if choice == "python":
         return "python"
-    if load():
-        return "compiled"
+    try:
+        if load():
+            return "compiled"
+    except AuditError as e:
+        if choice == "compiled":
+            raise
+        log.warning("%s; using the Python kernels", e.problem)
+        return "python"
     if choice == "compiled":
         raise AuditError(f"--kernels compiled: the compiled kernels are not built for torch {torch.__version__} "
                          f"(looked in {build_dir()})",
