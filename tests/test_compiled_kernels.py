@@ -204,19 +204,40 @@ def _numbers(audit: dict) -> dict:
 
 @pytest.mark.parametrize("sample", ["mlp", "tiny_gpt", "fp16_trouble"])
 def test_audits_are_identical_with_either_kernels(kernel_dir, tmp_path, sample) -> None:
+    """The Python-kernel audit runs in a process that never loaded the library (an empty kernel cache), so
+    nothing the library does in-process can make the two sides agree by accident."""
     from precision_audit.audit import AuditOptions, run_audit
 
-    audits = {}
-    for kernels in ("python", "compiled"):
-        opts = AuditOptions(model=str(ROOT / "sample_models" / sample / "model.py"),
-                            batch=str(ROOT / "sample_models" / sample / "sample.pt"),
-                            out=tmp_path / kernels, steps=0, kernels=kernels)
-        run_audit(opts)
-        audits[kernels] = json.loads((tmp_path / kernels / "audit.json").read_text())
+    model, batch = ROOT / "sample_models" / sample / "model.py", ROOT / "sample_models" / sample / "sample.pt"
+    r = _cli(str(model), "--batch", str(batch), "--out", str(tmp_path / "python"), "--steps", "0", "-q",
+             env_dir=tmp_path / "empty-cache")
+    assert r.returncode in (0, 1), r.stderr
+    run_audit(AuditOptions(model=str(model), batch=str(batch), out=tmp_path / "compiled", steps=0,
+                           kernels="compiled"))
+    audits = {k: json.loads((tmp_path / k / "audit.json").read_text()) for k in ("python", "compiled")}
     assert audits["python"]["emulation"]["kernels"] == "python"
     assert audits["compiled"]["emulation"]["kernels"] == "compiled"
     assert _numbers(audits["python"]) == _numbers(audits["compiled"])
     assert "Autocast kernels: compiled" in (tmp_path / "compiled" / "report.html").read_text()
+
+
+def test_dispatch_modes_never_see_the_kernels_control_ops(kernel_dir) -> None:
+    """The capture counts the ops a dispatch mode sees as the model's own; the library's enable / drain /
+    recording calls must not be among them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    with Log(), CudaAutocastPolicy("compiled"), SavedTensorCounter(model, lambda: None):
+        with emulated_autocast(BF16):
+            model(torch.randn(2, 8)).float().sum().backward()
+    assert seen and not [s for s in seen if "precision_audit_emu" in s]
 
 
 # -- command line -------------------------------------------------------------------------------------------

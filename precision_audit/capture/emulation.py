@@ -113,16 +113,21 @@ _ROUNDED: dict[int, _Rounded] | None = None
 _ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
 
 
+# The compiled kernels' control ops are torch ops: called under an active dispatch mode (the capture's op
+# tracker, LowPrecisionGemmMode) they would be seen, and counted, as the model's own ops. They run with Python
+# dispatch off.
 def _set_compiled_recording(on: bool) -> None:
     if compiled.is_loaded():
-        compiled.ops().set_recording(on)
+        with torch._C._DisableTorchDispatch():
+            compiled.ops().set_recording(on)
 
 
 def _drain_compiled() -> None:
     """Move what the compiled kernels recorded into the registry (they keep their own list)."""
-    if _ROUNDED is None or not compiled.is_loaded():
+    if _ROUNDED is None or not _COMPILED_ACTIVE:
         return
-    tensors, itemsizes, from_parameter = compiled.ops().drain()
+    with torch._C._DisableTorchDispatch():
+        tensors, itemsizes, from_parameter = compiled.ops().drain()
     for out, itemsize, param in zip(tensors, itemsizes, from_parameter):
         _ROUNDED[out.untyped_storage().data_ptr()] = _Rounded(out, itemsize, param)
 
@@ -348,8 +353,9 @@ class CudaAutocastPolicy:
                     if name not in in_cpp:
                         lib.impl(name, _make_kernel(op, policy, name), "AutocastCPU")
                 if split:
-                    compiled.ops().enable(split[CastPolicy.LOWER_PRECISION_FP], split[CastPolicy.FP32],
-                                          split[CastPolicy.FP32_SET_OPT_DTYPE])
+                    with torch._C._DisableTorchDispatch():
+                        compiled.ops().enable(split[CastPolicy.LOWER_PRECISION_FP], split[CastPolicy.FP32],
+                                              split[CastPolicy.FP32_SET_OPT_DTYPE])
                     self._compiled_on = _COMPILED_ACTIVE = True
                 cuda_names = set(CUDA_POLICY)
                 for reg in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
@@ -367,7 +373,8 @@ class CudaAutocastPolicy:
     def __exit__(self, *exc: object) -> None:
         global _COMPILED_ACTIVE
         if self._compiled_on:
-            compiled.ops().disable()
+            with torch._C._DisableTorchDispatch():
+                compiled.ops().disable()
             self._compiled_on = _COMPILED_ACTIVE = False
         if self._lib is not None:
             self._lib._destroy()
