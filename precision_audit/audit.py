@@ -100,9 +100,11 @@ class AuditOptions:
             setf("batch", os.fspath(self.batch))
         if self.batch is not None and not isinstance(self.batch, str):
             raise wrong("batch", "None, or the path of a torch.save file (str or pathlib.Path)")
+        if isinstance(self.out, str) and not self.out.strip():
+            raise wrong("out", "a folder path (str or pathlib.Path), not empty")
         if isinstance(self.out, (str, os.PathLike)) and not isinstance(self.out, Path):
             setf("out", Path(os.fspath(self.out)))
-        if not isinstance(self.out, Path) or not str(self.out).strip():
+        if not isinstance(self.out, Path):
             raise wrong("out", "a folder path (str or pathlib.Path), not empty")
         if self.target is not None and not isinstance(self.target, str):
             raise wrong("target", "None, or a GPU name or alias (str), e.g. 'h100'")

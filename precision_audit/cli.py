@@ -155,7 +155,7 @@ def _guarded(argv: list[str]) -> int:
             raise
         from .loading import model_exit_error  # the user's code called sys.exit() (verify's forward, ...)
 
-        err = model_exit_error(e, "the model")
+        err = model_exit_error(e)
         print(f"precision-audit: error: {err.message}", file=sys.stderr)
         return err.exit_code
     except Exception as e:  # a bug: one line, the traceback only with --verbose

@@ -325,7 +325,7 @@ _EXIT_HINT = ("a model must return or raise, never end the process: remove the s
               "code (argument parsing, training) under `if __name__ == '__main__':`")
 
 
-def model_exit_error(e: SystemExit, model: str) -> ModelRunError:
+def model_exit_error(e: SystemExit, model: str | None = None) -> ModelRunError:
     """The error for a ``sys.exit(n)`` that the user's code (forward, loss_fn, sample_batch...) called while
     the audit ran it: exit 2 with the file and line, instead of ending precision-audit with code ``n`` and no
     message (README.md, "Exit codes")."""
@@ -336,8 +336,8 @@ def model_exit_error(e: SystemExit, model: str) -> ModelRunError:
         site = f"{Path(f.filename).name}, line {f.lineno}" + (f": {f.line.strip()}" if f.line else "")
     return ModelRunError(
         f"the model called sys.exit({e.code!r}) while precision-audit ran it, so the audit stopped",
-        expected=f"the code of MODEL {model} to return or raise",
-        found=site or f"SystemExit({e.code!r}) from MODEL {model}",
+        expected=f"the code of MODEL {model} to return or raise" if model else "the model's code to return or raise",
+        found=site or f"SystemExit({e.code!r}) from the model's code",
         hint=_EXIT_HINT,
     )
 
