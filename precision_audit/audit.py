@@ -57,7 +57,12 @@ def _short_repr(value: Any, limit: int = 80) -> str:
 
 @dataclass(frozen=True)
 class AuditOptions:
-    """Everything the command line can set. ``formats=None`` means every capturable format the target supports."""
+    """Everything the command line can set. ``formats=None`` means every capturable format the target supports.
+
+    ``out`` may be a ``str`` or any path-like (stored as a ``Path``), ``model``/``batch`` a path-like too, and
+    ``formats`` a list or a ``"fp16,bf16"`` string; a field of another type, or a ``seed`` outside torch's range
+    (-2**63 to 2**64 - 1), raises :class:`OptionError` naming the field.
+    """
 
     model: str
     batch: str | None = None

@@ -339,13 +339,19 @@ def _run_audit(argv: list[str]) -> int:
     except torch.OutOfMemoryError as e:
         raise AuditError("the device ran out of memory during the audit", found=str(e).splitlines()[0][:200],
                          hint="use a smaller batch, or run with --device cpu") from e
-    if args.json:
-        print(json.dumps({"summary": result.audit["summary"], "verdict": result.audit["verdict"],
-                          "loss_scale": result.audit["loss_scale"], "plan": result.audit["plan"],
-                          "files": [str(f) for f in result.files]}, indent=1))
-    else:
-        print(summary_text(result.audit))
-        print(f"  wrote: {', '.join(str(f) for f in result.files)}")
+    try:
+        if args.json:
+            print(json.dumps({"summary": result.audit["summary"], "verdict": result.audit["verdict"],
+                              "loss_scale": result.audit["loss_scale"], "plan": result.audit["plan"],
+                              "files": [str(f) for f in result.files]}, indent=1))
+        else:
+            print(summary_text(result.audit))
+            print(f"  wrote: {', '.join(str(f) for f in result.files)}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout's reader went away (`| head`): the audit is written, its verdict stands
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return result.exit_code
 
 

@@ -204,7 +204,7 @@ class Staging:
                        and not p.relative_to(root).as_posix().startswith(".old/"))
         moves: list[tuple[Path, Path | None, Path | None]] = []  # (target, staged or None, aside or None)
         made_dirs: list[Path] = []
-        with _NoInterrupt():
+        with _NoInterrupt(), _locked(self.out):
             try:
                 for name in names:
                     target = self.out / name
@@ -236,6 +236,31 @@ class Staging:
         aside.parent.mkdir(parents=True, exist_ok=True)
         os.replace(target, aside)
         return aside
+
+
+class _locked:
+    """An exclusive ``flock`` on the ``out`` folder itself (no lock file is left behind), so that two commands
+    committing into the same folder at once do not interleave their files. Where ``fcntl`` is missing
+    (Windows), nothing is locked."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._fd: int | None = None
+
+    def __enter__(self) -> None:
+        try:
+            import fcntl
+
+            self._fd = os.open(self._folder, os.O_RDONLY)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            if self._fd is not None:
+                os.close(self._fd)
+            self._fd = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor releases the lock
 
 
 def _staging_prefix() -> str:

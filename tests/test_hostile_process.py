@@ -471,6 +471,54 @@ def test_misbehaving_model_keeps_stdout_json_and_paths(tmp_path, case: Misbehavi
     assert not list((tmp_path / "elsewhere").iterdir()), "relative --out followed the model's os.chdir"
 
 
+def test_stdout_closed_by_its_reader_is_not_an_internal_error(tmp_path):
+    """`precision-audit ... | head -0`: the audit is written and its verdict is the exit code, not exit 3."""
+    p = _cli_process([model_file(tmp_path, LINEAR), "--batch", x8(tmp_path), "--out", str(tmp_path / "out"),
+                      "-q", "--steps", "0"], tmp_path)
+    assert p.stdout is not None
+    p.stdout.close()  # the reader is gone before anything is printed
+    err = p.stderr.read() if p.stderr else ""
+    assert p.wait(timeout=300) in (EXIT_OK, EXIT_UNSAFE), err
+    assert "internal error" not in err and "Traceback" not in err, err
+    assert (tmp_path / "out" / "audit.json").is_file()
+
+
+def test_concurrent_commits_into_one_folder_do_not_interleave(tmp_path, monkeypatch):
+    """Two writers commit three files each into the same folder at once, with every move slowed down so that
+    they would interleave: afterwards the three files come from one writer."""
+    import threading
+
+    from precision_audit.outputs import write_files
+
+    real = os.replace
+
+    def slow_replace(src: Any, dst: Any) -> None:
+        time.sleep(0.02)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+    out = tmp_path / "out"
+    out.mkdir()
+    errors: list[BaseException] = []
+
+    def writer(tag: str) -> None:
+        try:
+            for _ in range(3):
+                write_files(out, {name: f"{tag}\n" for name in ("audit.json", "policy.json", "report.html")})
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(tag,)) for tag in ("A", "B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    contents = {p.read_text() for p in out.iterdir() if p.is_file()}
+    assert len(contents) == 1, f"a mix of two writers: {contents}"
+    assert sorted(p.name for p in out.iterdir()) == ["audit.json", "policy.json", "report.html"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Ctrl-C: a real SIGINT at chosen moments
 # ---------------------------------------------------------------------------------------------------------------
@@ -529,8 +577,6 @@ AFTER_INTERRUPTED_LINE = textwrap.dedent("""
         def __getattr__(self, name): return getattr(self._s, name)
     sys.stderr = _Err(sys.stderr)
     """)
-IN_FORWARD_TWICE = on_call(2, "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT)",
-                           "import signal\n")
 IN_FORWARD = on_call(2, "os.kill(os.getpid(), signal.SIGINT)", "import signal\n")
 
 
@@ -557,7 +603,8 @@ INTERRUPTS = [
     Interrupt("at-progress-line-fp32-reference", "old", line="FP32 reference pass"),
     Interrupt("at-progress-line-analysing", "old", line="analysing", slow=True),
     Interrupt("inside-the-model-forward", "old", model=IN_FORWARD, slow=True),
-    Interrupt("twice-inside-the-model-forward", "old", model=IN_FORWARD_TWICE),
+    Interrupt("again-while-the-model-is-put-back", "old",
+              _wrap("precision_audit.capture.runner:CaptureSession", "__exit__", times=2), model=IN_FORWARD),
     Interrupt("again-after-the-interrupted-line", "old", AFTER_INTERRUPTED_LINE + _import_hook("torch")),
     Interrupt("again-after-the-interrupted-line-from-the-model", "old", AFTER_INTERRUPTED_LINE, model=IN_FORWARD,
               slow=True),
