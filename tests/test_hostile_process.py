@@ -721,7 +721,8 @@ def test_ctrl_c_at_random_moments(tmp_path, good_audit):
             continue
         _check_interrupted(p.returncode, err)
         states.append(_check_out(out, before, "either"))
-    print(f"random SIGINTs over a {total:.1f} s run: " + ", ".join(f"{s} {states.count(s)}" for s in sorted(set(states))))
+    print(f"random SIGINTs over a {total:.1f} s run: "
+          + ", ".join(f"{s} {states.count(s)}" for s in sorted(set(states))))
     assert states.count("old") >= 3, states
 
 
