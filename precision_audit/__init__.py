@@ -8,19 +8,20 @@ Example::
 
 __version__ = "0.1.0"
 
-from .errors import AuditError  # noqa: E402
-from .formats import Format  # noqa: E402
-from .policy.io import load_policy  # noqa: E402
-from .policy.schema import Policy  # noqa: E402
+from .errors import AuditError  # noqa: E402  (no torch: `import precision_audit` stays light)
+
+#: Imported on first use: importing torch takes seconds, and the command line must have its Ctrl-C handling in
+#: place before that (README.md, "Exit codes").
+_LAZY = {"AuditOptions": ".audit", "run_audit": ".audit", "AuditResult": ".audit", "Format": ".formats",
+         "load_policy": ".policy.io", "Policy": ".policy.schema"}
 
 
 def __getattr__(name: str):
-    # The audit machinery loads lazily: `import precision_audit` in a training script stays light.
-    if name in ("AuditOptions", "run_audit", "AuditResult"):
-        from . import audit
+    if name in _LAZY:
+        import importlib
 
-        return getattr(audit, name)
-    raise AttributeError(name)
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "load_policy", "run_audit", "__version__"]

@@ -1,5 +1,5 @@
-import sys
+"""``python -m precision_audit``: the same as the ``precision-audit`` command (exit codes in README.md)."""
 
 from .cli import main
 
-sys.exit(main())
+main()  # ends the process itself, with the command's exit code

@@ -9,10 +9,12 @@ Only this module sees every stage. Example::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,7 @@ from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_format
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
 from .loading import Batch, check_trainable, LossSpec, load_batch, load_model, output_structure, resolve_loss
-from .outputs import check_out_dir, write_files
+from .outputs import Staging, check_out_dir
 from .planning.rules import Plan, make_planned
 from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, clean, layer_dict, summary_dict
@@ -40,9 +42,27 @@ from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, clean, layer_dict
 log = logging.getLogger(__name__)
 
 
+#: The seeds torch.manual_seed accepts (negative ones are mapped onto the unsigned range).
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+_FORMAT_VALUES = frozenset(f.value for f in Format)
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # a hostile __repr__ must not turn an OptionError into another error
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 @dataclass(frozen=True)
 class AuditOptions:
-    """Everything the command line can set. ``formats=None`` means every capturable format the target supports."""
+    """Everything the command line can set. ``formats=None`` means every capturable format the target supports.
+
+    ``out`` may be a ``str`` or any path-like (stored as a ``Path``), ``model``/``batch`` a path-like too, and
+    ``formats`` a list or a ``"fp16,bf16"`` string; a field of another type, or a ``seed`` outside torch's range
+    (-2**63 to 2**64 - 1), raises :class:`OptionError` naming the field.
+    """
 
     model: str
     batch: str | None = None
@@ -57,12 +77,65 @@ class AuditOptions:
     kernels: str = "auto"
 
     def __post_init__(self) -> None:
+        self._coerce_and_check_types()
         if self.device not in ("auto", "cuda", "cpu"):
             raise OptionError(f"unknown --device {self.device!r}", choices=("auto", "cuda", "cpu"))
         if not isinstance(self.steps, int) or self.steps < 0:
             raise OptionError("--steps must be a whole number >= 0", found=repr(self.steps))
         if self.kernels not in KERNEL_CHOICES:
             raise OptionError(f"unknown --kernels {self.kernels!r}", choices=KERNEL_CHOICES)
+
+    def _coerce_and_check_types(self) -> None:
+        """Paths may be given as ``str`` or ``os.PathLike`` (``out`` becomes a ``Path``, ``model`` and ``batch``
+        strings), ``formats`` as a list or a ``"fp16,bf16"`` string; any other type raises :class:`OptionError`
+        naming the field, rather than failing later inside the audit."""
+        def setf(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)  # frozen dataclass
+
+        def wrong(name: str, expected: str) -> OptionError:
+            value = getattr(self, name)
+            return OptionError(f"AuditOptions.{name} has the wrong type", expected=expected,
+                               found=f"{type(value).__name__}: {_short_repr(value)}")
+
+        if isinstance(self.model, os.PathLike):
+            setf("model", os.fspath(self.model))
+        if not isinstance(self.model, str):
+            raise wrong("model", "a str: path/to/model.py[:name] or package.module:name")
+        if isinstance(self.batch, os.PathLike):
+            setf("batch", os.fspath(self.batch))
+        if self.batch is not None and not isinstance(self.batch, str):
+            raise wrong("batch", "None, or the path of a torch.save file (str or pathlib.Path)")
+        if isinstance(self.out, str) and not self.out.strip():
+            raise wrong("out", "a folder path (str or pathlib.Path), not empty")
+        if isinstance(self.out, (str, os.PathLike)) and not isinstance(self.out, Path):
+            setf("out", Path(os.fspath(self.out)))
+        if not isinstance(self.out, Path):
+            raise wrong("out", "a folder path (str or pathlib.Path), not empty")
+        if self.target is not None and not isinstance(self.target, str):
+            raise wrong("target", "None, or a GPU name or alias (str), e.g. 'h100'")
+        if isinstance(self.formats, str):
+            setf("formats", parse_formats(self.formats))
+        elif isinstance(self.formats, (list, tuple)):
+            setf("formats", tuple(Format(f) if isinstance(f, str) and f in _FORMAT_VALUES else f
+                                  for f in self.formats))
+        if self.formats is not None and not (isinstance(self.formats, tuple)
+                                             and all(isinstance(f, Format) for f in self.formats)):
+            raise wrong("formats", "None, or a tuple of Format (or of format names such as 'fp16')")
+        for name in ("device", "kernels"):
+            if not isinstance(getattr(self, name), str):
+                raise wrong(name, "a str")
+        if not isinstance(self.emulate, bool):
+            raise wrong("emulate", "True or False")
+        if isinstance(self.steps, bool):
+            raise wrong("steps", "a whole number >= 0 (int)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise wrong("seed", f"a whole number (int) in [{SEED_MIN}, {SEED_MAX}]")
+        if not SEED_MIN <= self.seed <= SEED_MAX:
+            raise OptionError("--seed is outside the range torch's random generators accept",
+                              expected=f"a whole number from {SEED_MIN} to {SEED_MAX} (-2**63 to 2**64 - 1)",
+                              found=str(self.seed), hint="pick a smaller seed, e.g. --seed 0")
+        if not isinstance(self.budget, Budget):
+            raise wrong("budget", "a precision_audit.analysis.findings.Budget")
 
 
 @dataclass
@@ -131,25 +204,66 @@ class AuditComputation:
 
 
 def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResult:
-    """Run the whole audit and write report.html, policy.json and audit.json into ``opts.out``."""
+    """Run the whole audit and write report.html, policy.json, audit.json and ``tb/`` into ``opts.out``.
+
+    ``--out`` and ``--batch`` are made absolute before the model file is imported, so a model that changes the
+    working directory does not move them. The outputs are all-or-nothing (precision_audit/outputs.py): the
+    folder keeps the previous audit untouched unless every new file was written. A model that calls
+    ``sys.exit()`` raises :class:`ModelRunError` here instead of ending the caller's process.
+    """
     say = progress or (lambda msg: None)
-    check_out_dir(opts.out)
-    c = compute_audit(opts, progress)
+    given = opts
+    check_out_dir(opts.out, _OUT_FOLDERS)
+    opts = dataclasses.replace(opts, out=_absolute(opts.out),
+                               batch=str(_absolute(Path(opts.batch))) if opts.batch is not None else None)
+    try:
+        c = compute_audit(opts, progress)
+    except SystemExit as e:
+        from .loading import model_exit_error
+
+        raise model_exit_error(e, given.model) from e
+    _record_paths_as_given(c.audit, opts, given)
     say("writing report.html, policy.json and audit.json")
     from .report.html import render_html  # jinja2 only when writing
+    from .report.tensorboard import EVENT_SUFFIX, write_scalars  # tensorboard only when writing
 
     html = render_html(c.audit, c.policy.to_dict())
-    files = write_files(opts.out, {
-        "audit.json": json.dumps(c.audit, indent=1, allow_nan=False) + "\n",
-        "policy.json": json.dumps(c.policy.to_dict(), indent=2, allow_nan=False) + "\n",
-        "report.html": html,
-        **{f"tb/{name}": data for name, data in c.capture.traces.items()},
-    })
-    from .report.tensorboard import write_scalars  # tensorboard only when writing
-
-    files.append(write_scalars(c.audit, opts.out / "tb" / "audit"))
+    with Staging(opts.out, _OUT_FOLDERS) as stage:
+        stage.write("audit.json", json.dumps(c.audit, indent=1, allow_nan=False) + "\n")
+        stage.write("policy.json", json.dumps(c.policy.to_dict(), indent=2, allow_nan=False) + "\n")
+        stage.write("report.html", html)
+        for name, data in c.capture.traces.items():
+            stage.write(f"tb/{name}", data)
+        events = write_scalars(c.audit, stage.folder("tb/audit"))
+        stage.replace_old("tb/audit", f"events.out.tfevents.*{EVENT_SUFFIX}")
+        written = stage.commit()
+    first = ["audit.json", "policy.json", "report.html"]
+    names = first + sorted(p.relative_to(opts.out).as_posix() for p in written
+                           if p.relative_to(opts.out).as_posix() not in first)
+    event_name = f"tb/audit/{events.name}"
+    names = [n for n in names if n != event_name] + [event_name]  # the event file last, as before
+    files = [given.out / n for n in names]
     return AuditResult(audit=c.audit, policy=c.policy, html=html, exit_code=c.exit_code, files=files,
                        analysis=c.analysis, plan=c.plan)
+
+
+#: Folders the audit writes inside --out; a file of the same name is refused before the model runs.
+_OUT_FOLDERS = ("tb", "tb/audit")
+
+
+def _absolute(p: Path) -> Path:
+    return Path(os.path.abspath(p.expanduser()))
+
+
+def _record_paths_as_given(audit: dict[str, Any], used: AuditOptions, given: AuditOptions) -> None:
+    """audit.json records --out and --batch as the user wrote them, not as made absolute for the run."""
+    options = audit.get("options")
+    if isinstance(options, dict):
+        options["out"] = str(given.out)
+        options["batch"] = given.batch
+    batch = audit.get("batch")
+    if isinstance(batch, dict) and used.batch is not None and batch.get("source") == used.batch:
+        batch["source"] = given.batch
 
 
 def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditComputation:

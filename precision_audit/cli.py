@@ -1,7 +1,16 @@
 """Command line: ``precision-audit MODEL --batch BATCH [options]`` and ``precision-audit targets``.
 
-Exit codes: 0 done; 1 done, but the model is unsafe as is in every audited low-precision format;
-2 a user error (message only, no traceback); 130 interrupted.
+Exit codes (README.md, "Exit codes"):
+
+- 0: done (the audit found a safe format, or the command succeeded);
+- 1: done, but the model is unsafe as is in every audited low-precision format;
+- 2: a user error: bad input, a bad option, or a model that failed or called ``sys.exit()`` (one message
+  saying what was expected, what was found and the fix; no traceback);
+- 3: an internal error, a bug in precision-audit (one line; ``--verbose`` adds the traceback);
+- 130: interrupted (Ctrl-C / SIGINT at any moment): one line, and ``--out`` holds either the previous
+  results untouched or the complete new ones.
+
+This module imports no torch at the top: the Ctrl-C handling is in place before torch's import starts.
 """
 
 from __future__ import annotations
@@ -9,12 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
+import signal
 import sys
+import threading
+import traceback
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from . import __version__
-from .errors import AuditError, OptionError
+from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, AuditError, OptionError
 
 EPILOG = """\
 MODEL is a .py file defining build_model(), get_model() or a module-level `model` (model.py:name picks
@@ -34,7 +48,9 @@ Other commands:
                                  compile the emulation's C++ autocast kernels once (needs a C++ compiler
                                  and ninja; ~15 s); later emulated audits use them (--kernels)
 
-Exit codes: 0 done; 1 unsafe as is in every audited format; 2 bad input (message only).
+Exit codes: 0 done; 1 unsafe as is in every audited format; 2 bad input or a failing model (message only);
+3 internal error (a bug: one line, --verbose shows the traceback); 130 interrupted (Ctrl-C; --out holds the
+previous results untouched or the complete new ones).
 """
 
 
@@ -96,38 +112,184 @@ def _audit_parser() -> argparse.ArgumentParser:
     return p
 
 
+INTERRUPTED_LINE = ("precision-audit: interrupted; no half-written file was left in --out (it holds the previous "
+                    "results untouched, or the complete new ones)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one command and return its exit code (module docstring).
+
+    Called with no arguments, as the console script and ``python -m precision_audit`` do, it ends the process
+    itself (:func:`_end_process`), so that a Ctrl-C even during interpreter shutdown still gives exit 130
+    rather than a death by signal. Called with ``argv`` (tests, other programs) it returns, and argparse's own
+    exits (``--help``, usage errors) raise ``SystemExit`` as usual.
+    """
+    ctrl_c = _CtrlC()  # first: a SIGINT from here on takes the interrupt path
+    as_process = argv is None
+    own_exit: SystemExit | None = None
     try:
-        if argv and argv[0] == "targets":
-            from .gpus import format_targets_table
+        try:
+            args = list(sys.argv[1:] if argv is None else argv)
+            code = _guarded(args)
+        except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2, message already printed)
+            own_exit, code = e, _exit_status(e)
+    except KeyboardInterrupt:
+        own_exit, code = None, ctrl_c.interrupted()
+    if as_process:
+        _end_process(code, ctrl_c)
+    ctrl_c.restore()
+    if own_exit is not None:
+        raise own_exit
+    return code
 
-            if len(argv) > 1 and argv[1] in ("-h", "--help"):
-                print("usage: precision-audit targets\n\nPrint the table of target GPUs (names, aliases, dense peaks).")
-                return 0
-            print(format_targets_table())
-            return 0
-        if argv and argv[0] == "report":
-            from .cli_report import report_main
 
-            return report_main(argv[1:])
-        if argv and argv[0] == "export":
-            from .cli_export import export_main
-
-            return export_main(argv[1:])
-        if argv and argv[0] == "build-kernels":
-            return _build_kernels(argv[1:])
-        if argv and argv[0] == "verify":
-            from .cli_verify import verify_main
-
-            return verify_main(argv[1:])
-        return _run_audit(argv)
+def _guarded(argv: list[str]) -> int:
+    """The command, with every failure turned into its exit code and one message on stderr."""
+    try:
+        return _dispatch(argv)
     except AuditError as e:
         print(f"precision-audit: error: {e.message}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("precision-audit: interrupted; no half-written file was left in --out", file=sys.stderr)
-        return 130
+    except SystemExit as e:
+        if _exit_is_ours(e):
+            raise
+        from .loading import model_exit_error  # the user's code called sys.exit() (verify's forward, ...)
+
+        err = model_exit_error(e)
+        print(f"precision-audit: error: {err.message}", file=sys.stderr)
+        return err.exit_code
+    except Exception as e:  # a bug: one line, the traceback only with --verbose
+        if _verbose(argv):
+            traceback.print_exc(file=sys.stderr)
+        text = " ".join(str(e).split())
+        text = text if len(text) <= 300 else text[:297] + "..."
+        print(f"precision-audit: internal error (exit {EXIT_INTERNAL}): {type(e).__name__}"
+              + (f": {text}" if text else "")
+              + ("; this is a bug in precision-audit, please report it" if _verbose(argv)
+                 else "; run again with --verbose to see the traceback, and please report it"),
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv and argv[0] == "targets":
+        from .gpus import format_targets_table
+
+        if len(argv) > 1 and argv[1] in ("-h", "--help"):
+            print("usage: precision-audit targets\n\nPrint the table of target GPUs (names, aliases, dense peaks).")
+            return 0
+        print(format_targets_table())
+        return 0
+    if argv and argv[0] == "report":
+        from .cli_report import report_main
+
+        return report_main(argv[1:])
+    if argv and argv[0] == "export":
+        from .cli_export import export_main
+
+        return export_main(argv[1:])
+    if argv and argv[0] == "build-kernels":
+        return _build_kernels(argv[1:])
+    if argv and argv[0] == "verify":
+        from .cli_verify import verify_main
+
+        return verify_main(argv[1:])
+    return _run_audit(argv)
+
+
+def _verbose(argv: list[str]) -> bool:
+    return any(a == "--verbose" or re.fullmatch(r"-[a-zA-Z]*v[a-zA-Z]*", a) for a in argv if a != "--")
+
+
+def _exit_status(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _exit_is_ours(e: SystemExit) -> bool:
+    """True for a ``SystemExit`` raised by precision-audit itself or by the argparse parser it called; False
+    when it comes from anything precision-audit called into (the user's model, through torch or not)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frames = traceback.extract_tb(e.__traceback__)
+    ours = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(package)]
+    if not ours or ours[-1] == len(frames) - 1:
+        return True
+    return os.path.basename(frames[ours[-1] + 1].filename) == "argparse.py"
+
+
+class _CtrlC:
+    """The command line's SIGINT handling (main thread only; elsewhere Python's own applies).
+
+    The first SIGINT raises ``KeyboardInterrupt`` and from then on SIGINT is ignored: the interrupt path
+    (removing the staging folder, putting the model back, printing the one line) runs to its end whatever the
+    user presses. precision_audit/outputs.py holds a SIGINT back while it moves files into place and hands it
+    to this handler afterwards.
+    """
+
+    def __init__(self) -> None:
+        self._old: object = None
+        self._active = threading.current_thread() is threading.main_thread()
+        self.late: list[int] = []
+        if self._active:
+            self._old = signal.signal(signal.SIGINT, self._first)
+
+    @staticmethod
+    def _first(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def ignore(self) -> None:
+        if not self._active:
+            return
+        while True:  # a SIGINT landing between the except clause and this call raises once more
+            try:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                return
+            except KeyboardInterrupt:
+                continue
+
+    def interrupted(self) -> int:
+        self.ignore()
+        print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+
+    def record_late(self) -> None:
+        """From now on a SIGINT is only noted (the process is ending): :func:`_end_process` turns it into 130."""
+        if self._active:
+            signal.signal(signal.SIGINT, lambda signum, frame: self.late.append(signum))
+
+    def restore(self) -> None:
+        if self._active:
+            signal.signal(signal.SIGINT, self._old if self._old is not None else signal.default_int_handler)
+
+
+def _end_process(code: int, ctrl_c: _CtrlC) -> NoReturn:
+    """End the process with ``code`` (130 if a Ctrl-C arrived meanwhile), without the interpreter's shutdown,
+    where a SIGINT would kill the process by the signal or print a traceback from an atexit callback."""
+    ctrl_c.record_late()
+    if code != EXIT_INTERRUPTED:
+        import atexit
+
+        try:
+            atexit._run_exitfuncs()  # logging's flush, tensorboard's writers...
+        except BaseException:  # noqa: BLE001 - the command's own result stands
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if ctrl_c.late and code != EXIT_INTERRUPTED:
+        try:
+            print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        code = EXIT_INTERRUPTED
+    os._exit(code)
 
 
 def _build_kernels(argv: list[str]) -> int:
@@ -172,20 +334,57 @@ def _run_audit(argv: list[str]) -> int:
     from .report.terminal import Progress, summary_text
 
     try:
-        with Progress(quiet=args.quiet) as progress:
+        with Progress(quiet=args.quiet) as progress, _stdout_to_stderr():
             result = run_audit(opts, progress)
     except torch.OutOfMemoryError as e:
         raise AuditError("the device ran out of memory during the audit", found=str(e).splitlines()[0][:200],
                          hint="use a smaller batch, or run with --device cpu") from e
-    if args.json:
-        print(json.dumps({"summary": result.audit["summary"], "verdict": result.audit["verdict"],
-                          "loss_scale": result.audit["loss_scale"], "plan": result.audit["plan"],
-                          "files": [str(f) for f in result.files]}, indent=1))
-    else:
-        print(summary_text(result.audit))
-        print(f"  wrote: {', '.join(str(f) for f in result.files)}")
+    try:
+        if args.json:
+            print(json.dumps({"summary": result.audit["summary"], "verdict": result.audit["verdict"],
+                              "loss_scale": result.audit["loss_scale"], "plan": result.audit["plan"],
+                              "files": [str(f) for f in result.files]}, indent=1))
+        else:
+            print(summary_text(result.audit))
+            print(f"  wrote: {', '.join(str(f) for f in result.files)}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # stdout's reader went away (`| head`): the audit is written, its verdict stands
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return result.exit_code
 
 
+class _stdout_to_stderr:
+    """While the user's code runs (importing the model file, its forward, loss_fn...), what it prints goes to
+    stderr: stdout carries only precision-audit's own result (the --json summary must parse as JSON).
+
+    Both ``sys.stdout`` and, when it is a real file, file descriptor 1 are redirected, so C extensions and
+    child processes are caught too.
+    """
+
+    def __enter__(self) -> None:
+        self._saved_fd: int | None = None
+        self._saved = sys.stdout
+        try:
+            sys.stdout.flush()
+            if sys.stdout.fileno() == 1 and sys.stderr.fileno() != 1:
+                self._saved_fd = os.dup(1)
+                os.dup2(sys.stderr.fileno(), 1)
+        except (AttributeError, OSError, ValueError):  # no real stdout (a test's capture, a closed stream)
+            self._saved_fd = None
+        sys.stdout = sys.stderr
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        sys.stdout = self._saved
+        if self._saved_fd is not None:
+            os.dup2(self._saved_fd, 1)
+            os.close(self._saved_fd)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

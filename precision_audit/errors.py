@@ -2,7 +2,8 @@
 
 Every mistake a user can make (a bad path, a batch the model rejects, an unknown option) raises an
 :class:`AuditError` subclass. The CLI prints its message and exits with code 2, without a traceback.
-Anything else is a bug and keeps its traceback.
+Anything else is a bug: the CLI prints one line and exits with :data:`EXIT_INTERNAL` (3); ``--verbose``
+prints its traceback too (README.md, "Exit codes").
 """
 
 from __future__ import annotations
@@ -82,3 +83,12 @@ class PolicyError(AuditError):
 
 class OutputError(AuditError):
     """The output directory cannot be written."""
+
+
+#: The exit codes of the command line (README.md, "Exit codes"). 1 means "done, but unsafe as is", never a
+#: failure; an internal error (a bug in precision-audit) has its own code so that scripts can tell them apart.
+EXIT_OK = 0
+EXIT_UNSAFE = 1
+EXIT_USAGE = 2
+EXIT_INTERNAL = 3
+EXIT_INTERRUPTED = 130

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precision_audit.errors import BatchError, LossError, ModelLoadError
+from precision_audit.errors import BatchError, LossError, ModelLoadError, ModelRunError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ __all__ = [
     "check_trainable",
     "load_batch",
     "load_model",
+    "model_exit_error",
     "output_structure",
     "resolve_loss",
 ]
@@ -305,11 +306,39 @@ def _syntax_failure(e: SyntaxError, *, where: str) -> ModelLoadError:
 
 
 def _import_failure(e: BaseException, *, where: str, user_file: str | None) -> ModelLoadError:
+    if isinstance(e, SystemExit):
+        return ModelLoadError(
+            f"importing {where} raised {_exception_text(e)}: the file called sys.exit({e.code!r})",
+            expected="a model file that imports without ending the process",
+            found=_raise_site(e, user_file) or f"SystemExit while importing {where}",
+            hint=_EXIT_HINT,
+        )
     return ModelLoadError(
         f"importing {where} raised {_exception_text(e)}",
         expected="a model file that imports without errors",
         found=_raise_site(e, user_file) or f"{type(e).__name__} while importing {where}",
         hint="fix the error in the model file; it must be importable without command-line arguments",
+    )
+
+
+_EXIT_HINT = ("a model must return or raise, never end the process: remove the sys.exit() call, or move script "
+              "code (argument parsing, training) under `if __name__ == '__main__':`")
+
+
+def model_exit_error(e: SystemExit, model: str | None = None) -> ModelRunError:
+    """The error for a ``sys.exit(n)`` that the user's code (forward, loss_fn, sample_batch...) called while
+    the audit ran it: exit 2 with the file and line, instead of ending precision-audit with code ``n`` and no
+    message (README.md, "Exit codes")."""
+    frames = traceback.extract_tb(e.__traceback__)
+    site = None
+    if frames:
+        f = frames[-1]
+        site = f"{Path(f.filename).name}, line {f.lineno}" + (f": {f.line.strip()}" if f.line else "")
+    return ModelRunError(
+        f"the model called sys.exit({e.code!r}) while precision-audit ran it, so the audit stopped",
+        expected=f"the code of MODEL {model} to return or raise" if model else "the model's code to return or raise",
+        found=site or f"SystemExit({e.code!r}) from the model's code",
+        hint=_EXIT_HINT,
     )
 
 
@@ -420,9 +449,11 @@ def _instantiate(obj: Any, name: str, *, where: str, user_file: str | None) -> n
         result = obj()
     except (Exception, SystemExit) as e:
         raise ModelLoadError(
-            f"calling {name}() from {where} raised {_exception_text(e)}",
+            f"calling {name}() from {where} raised {_exception_text(e)}"
+            + (f": it called sys.exit({e.code!r})" if isinstance(e, SystemExit) else ""),
             expected=f"{name}() to return an nn.Module",
             found=_raise_site(e, user_file) or f"{type(e).__name__} in {name}()",
+            hint=_EXIT_HINT if isinstance(e, SystemExit) else None,
         ) from e
     if not isinstance(result, nn.Module):
         raise ModelLoadError(
@@ -449,6 +480,7 @@ def check_trainable(model: nn.Module, source: ModelSource) -> None:
     """
     name, where = source.attribute, source.where
     params = list(model.parameters())
+    _check_not_meta(model, name, where)
     if not params:
         raise ModelLoadError(
             f"the model built by {name} in {where} ({type(model).__name__}) has no parameters, "
@@ -466,6 +498,25 @@ def check_trainable(model: nn.Module, source: ModelSource) -> None:
             found=f"{type(model).__name__}: {len(params)} parameter tensors ({count:,} values), all frozen",
             hint="unfreeze the layers you train (p.requires_grad_(True)) before returning the model",
         )
+
+
+def _check_not_meta(model: nn.Module, name: str, where: str) -> None:
+    """A model built on the ``meta`` device has shapes but no values: nothing can run or be measured."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    meta = [n for n, t in tensors if t.is_meta]
+    if not meta:
+        return
+    raise ModelLoadError(
+        f"the model built by {name} in {where} ({type(model).__name__}) is on the meta device: its parameters "
+        "have shapes but no values, so there is nothing to run or measure",
+        expected="a model whose parameters and buffers hold values, built on the CPU (the audit moves it to "
+        "--device itself); meta-device models are not supported",
+        found=f"{len(meta)} of {len(tensors)} parameter/buffer tensors on meta: {', '.join(meta[:5])}"
+        + (", ..." if len(meta) > 5 else ""),
+        hint="build the model on the CPU (drop device='meta' / `with torch.device('meta')`), or materialize it "
+        "inside build_model: model.to_empty(device='cpu'), then initialize every weight (e.g. call your "
+        "init_weights(), or each module's reset_parameters()) before returning it",
+    )
 
 
 def _required_parameters(fn: Callable[..., Any]) -> list[str]:
@@ -872,6 +923,14 @@ def _check_tensors(batch: Batch, label: str) -> None:
             expected="at least one torch.Tensor among the inputs",
             found=output_structure(batch.raw),
             hint="convert lists and numpy arrays with torch.tensor(...) / torch.from_numpy(...) before saving",
+        )
+    meta = [name for name, t in named if t.is_meta]
+    if meta:
+        raise BatchError(
+            f"the batch from {label} holds tensors on the meta device (shapes without values)",
+            expected="input tensors that hold values (on the CPU; the audit moves them to --device)",
+            found=f"on meta: {', '.join(meta[:5])}" + (", ..." if len(meta) > 5 else ""),
+            hint="create the batch on the CPU, e.g. torch.randn(..., device='cpu'), and save it again",
         )
     empty = [f"{name} {list(t.shape)}" for name, t in named if t.numel() == 0]
     if empty:
