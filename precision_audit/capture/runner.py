@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..errors import AuditError, ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
+from ..tf32_switches import tf32_switches
 from .memory import SavedTensorCounter
 from .ops import record_op
 from .emulation import (KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast,
@@ -158,7 +159,8 @@ class CaptureSession:
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
         es = self._exit
-        devices = [torch.device(self.config.device).index or 0] if self.config.mode == "cuda" else []
+        # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device 0's
+        devices = list(range(torch.cuda.device_count())) if self.config.mode == "cuda" else []
         es.enter_context(torch.random.fork_rng(devices=devices))
         if self.config.mode == "emulated":
             self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
@@ -233,17 +235,13 @@ class CaptureSession:
 
     @contextlib.contextmanager
     def _fp32_reference_switches(self) -> Iterator[None]:
-        """TF32 off for the FP32 reference on CUDA; the user's switches are restored afterwards."""
+        """TF32 off for the FP32 reference on CUDA (cuBLAS and cuDNN); the user's exact settings are restored
+        afterwards, through the API they were made with (precision_audit/tf32_switches.py)."""
         if self.config.mode != "cuda":
             yield
             return
-        old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        try:
+        with tf32_switches(matmul=False, cudnn=False):
             yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
     def _layer(self, m: torch.nn.Module) -> LayerRecord:
         rec = self.layers.get(id(m))

@@ -1,0 +1,169 @@
+"""The cuda-mode path a GPU user runs first, exercised on the CPU under the fake device (tests/fakecuda.py).
+
+These tests check plumbing (which API is called, what is saved and restored, what propagates, what is
+measured on which basis), not GPU numerics: tests/gpu does that on a real GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import ROOT, SAMPLES
+from fakecuda import FakeCuda, fake_cuda  # noqa: F401 - the fixture
+from precision_audit.capture.runner import CaptureConfig, CaptureSession
+from precision_audit.formats import Format
+from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
+from precision_audit.tf32_switches import restore, snapshot, tf32_enabled, tf32_switches
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def tf32_state():
+    """Puts the process's TF32 settings back after a test that sets them (both APIs)."""
+    saved = snapshot()
+    yield
+    restore(saved)
+    assert snapshot() == saved
+
+
+def make_policy(model: nn.Module, default: str, overrides: dict[str, str] | None = None, **kw) -> Policy:
+    fp, n = fingerprint(model)
+    return Policy(model_class=type(model).__name__, model_fingerprint=fp, model_modules=n, target_name="test",
+                  target_compute_capability=None, default_format=default,
+                  modules={k: ModuleOverride(v, "test") for k, v in (overrides or {}).items()},
+                  loss_scaling=LossScaling(), model_layout=model_layout(model), **kw)
+
+
+class Mlp(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def session(model, x, formats=(Format.BF16,), **kw):
+    return CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(),
+                          CaptureConfig(formats=formats, device="cuda", mode="cuda", **kw))
+
+
+# The user's TF32 settings, through either API (a program uses one of them).
+USER_SETTINGS = {
+    "default": lambda: None,
+    "legacy-medium": lambda: torch.set_float32_matmul_precision("medium"),
+    "legacy-high": lambda: torch.set_float32_matmul_precision("high"),
+    "legacy-cudnn-off": lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
+    "new-matmul-tf32": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "new-global-tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+    "new-conv-ieee": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+}
+
+
+# -- TF32 switches ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("user", USER_SETTINGS)
+@pytest.mark.parametrize("inside", [(False, False), (True, True), (True, False)])
+def test_tf32_switches_set_inside_and_restore_the_exact_user_setting(user, inside, tf32_state):
+    USER_SETTINGS[user]()
+    before = snapshot()
+    with tf32_switches(*inside):
+        assert tf32_enabled() == inside
+    assert snapshot() == before
+    if user == "legacy-medium":
+        assert torch.get_float32_matmul_precision() == "medium"  # not turned into "high"
+
+
+def test_the_legacy_flag_read_raises_once_the_new_api_is_set(tf32_state):
+    """The torch behaviour the switches work around (if this stops raising, the workaround is still right)."""
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    with pytest.raises(RuntimeError, match="legacy and new APIs"):
+        torch.backends.cuda.matmul.allow_tf32  # noqa: B018
+
+
+@pytest.mark.parametrize("user", ["legacy-medium", "new-matmul-tf32", "new-global-tf32"])
+def test_cuda_reference_pass_under_the_users_tf32_setting(user, fake_cuda, tf32_state):
+    """The FP32 reference runs with TF32 off for cuBLAS and cuDNN, does not fail on the newer API, and
+    leaves the user's exact setting in place."""
+    USER_SETTINGS[user]()
+    before = snapshot()
+    model = Mlp()
+    seen = []
+    model.a.register_forward_pre_hook(lambda m, a: seen.append(tf32_enabled()))
+    with session(model, torch.randn(8, 16, device="cuda")) as s:
+        s.reference_run()
+        s.format_run(Format.BF16)
+    assert seen[0] == (False, False)
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("user", ["legacy-medium", "new-matmul-tf32"])
+def test_runtime_tf32_modules_and_autocast_keep_the_users_setting(user, tf32_state):
+    USER_SETTINGS[user]()
+    before = snapshot()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 4)))
+    seen = []  # a child's pre-hook runs inside its parent's (wrapped) forward
+    model[1][0].register_forward_pre_hook(lambda m, a: seen.append(tf32_enabled()))
+    policy = make_policy(model, "bf16", {"1": "fp32"}, tf32_matmul=True, tf32_cudnn=False)
+    with policy.apply(model, device_type="cuda"):
+        model(torch.randn(2, 16))
+    with policy.autocast("cpu"):
+        inside = tf32_enabled()
+    assert seen == [(False, False)] and inside == (True, False)
+    assert snapshot() == before
+
+
+def test_verify_fp32_arm_runs_strict_fp32_on_cuda(fake_cuda, tf32_state):
+    from precision_audit.verify import VerifyOptions, run_verify
+
+    torch.backends.cudnn.allow_tf32 = True  # torch's default: cuDNN convolutions may use TF32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model = Mlp()
+    seen: list[tuple[bool, bool]] = []
+    model.a.register_forward_pre_hook(lambda m, a: seen.append(tf32_enabled()))
+    x = torch.randn(8, 16, device="cuda")
+    out = run_verify(model, lambda m: m(x), lambda y: y.float().pow(2).mean(), make_policy(model, "bf16"),
+                     "cuda", "cuda", VerifyOptions(steps=1))
+    assert not out["errors"], out["errors"]
+    assert seen[0] == (False, False)  # the fp32 arm: neither cuBLAS nor cuDNN TF32
+    assert seen[1] == (True, True)  # the other arms: as the user set them
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+
+
+# -- RNG: every device's state is restored ------------------------------------------------------------------
+
+def test_every_gpus_rng_state_is_restored():
+    with FakeCuda(device_count=2):
+        states = [torch.tensor([11 + i, 7], dtype=torch.int64).view(torch.uint8) for i in range(2)]
+        for i, st in enumerate(states):
+            torch.cuda.set_rng_state(st, i)
+        model, x = Mlp(), torch.randn(8, 16, device="cuda")
+        cpu = torch.get_rng_state()
+        with session(model, x, seed=3) as s:
+            s.reference_run()
+            s.format_run(Format.BF16)
+        for i, st in enumerate(states):
+            assert torch.equal(torch.cuda.get_rng_state(i), st), f"device {i}'s RNG state was not restored"
+        assert torch.equal(torch.get_rng_state(), cpu)
+
+
+def test_verify_restores_every_gpus_rng_state():
+    from precision_audit.verify import VerifyOptions, run_verify
+
+    with FakeCuda(device_count=2):
+        st = torch.tensor([5, 9], dtype=torch.int64).view(torch.uint8)
+        torch.cuda.set_rng_state(st, 1)
+        model = Mlp()
+        x = torch.randn(4, 16, device="cuda")
+        run_verify(model, lambda m: m(x), lambda y: y.float().pow(2).mean(), make_policy(model, "bf16"),
+                   "cuda", "cuda", VerifyOptions(steps=1))
+        assert torch.equal(torch.cuda.get_rng_state(1), st)
