@@ -167,3 +167,35 @@ def test_verify_restores_every_gpus_rng_state():
         run_verify(model, lambda m: m(x), lambda y: y.float().pow(2).mean(), make_policy(model, "bf16"),
                    "cuda", "cuda", VerifyOptions(steps=1))
         assert torch.equal(torch.cuda.get_rng_state(1), st)
+
+
+# -- out of memory propagates ---------------------------------------------------------------------------------
+
+class OomUnderAutocast(nn.Module):
+    """Runs out of memory whenever it runs under (cuda) autocast, or when ``always`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+        self.always = False
+
+    def forward(self, x):
+        if self.always or torch.is_autocast_enabled("cuda"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return F.linear(x, self.weight)  # computes itself: it is re-run alone per format
+
+
+def test_oom_in_a_local_rerun_propagates(fake_cuda):
+    model = nn.Sequential(nn.Linear(16, 16), OomUnderAutocast())
+    with session(model, torch.randn(4, 16, device="cuda")) as s, pytest.raises(torch.OutOfMemoryError):
+        s.reference_run()
+
+
+def test_oom_in_the_plan_verification_is_not_a_broken_plan(fake_cuda):
+    model = nn.Sequential(nn.Linear(16, 16), OomUnderAutocast())
+    model[1].always = False
+    with session(model, torch.randn(4, 16, device="cuda"), formats=()) as s:
+        s.reference_run()
+        s.model[1].always = True
+        with pytest.raises(torch.OutOfMemoryError):
+            s.verify_plan(make_policy(model, "bf16"), Format.BF16)

@@ -379,6 +379,10 @@ class CaptureSession:
                         self._use_gemm_mode = True
                         self._set_rng_state(pre_rng)
                         out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
+                except torch.OutOfMemoryError:
+                    # not a finding of this module: a "not measured" here would read as zero impact to the
+                    # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
+                    raise
                 except Exception as e:  # the module fails under autocast: reported, not fatal
                     fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
                     continue
@@ -599,6 +603,8 @@ class CaptureSession:
                 for r, y in zip(ref[0], ys):
                     run.output.update(r, y)
                 run.output_nonfinite = run.output.nonfinite
+        except torch.OutOfMemoryError:
+            raise  # the GPU's limit, not the plan's fault: it must not count as a broken plan
         except Exception as e:  # the plan itself fails: reported as a broken plan, not a crash
             run.error = f"{type(e).__name__}: {e}"
         finally:
