@@ -306,6 +306,9 @@ class FakeCuda:
         self._mode.__enter__()
         return self
 
+    def __deepcopy__(self, memo: dict) -> "FakeCuda":
+        return self  # the device itself: a model holding it (to drive its memory) is copied without it
+
     def _reset_peak(self, device: Any = None) -> None:
         self._index(device)
         self.memory.peak = self.memory.allocated

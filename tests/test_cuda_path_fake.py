@@ -199,3 +199,85 @@ def test_oom_in_the_plan_verification_is_not_a_broken_plan(fake_cuda):
         s.model[1].always = True
         with pytest.raises(torch.OutOfMemoryError):
             s.verify_plan(make_policy(model, "bf16"), Format.BF16)
+
+
+# -- memory: weight copies and peak figures ------------------------------------------------------------------
+
+def test_a_saved_transposed_weight_cast_is_a_weight_copy():
+    """CUDA autocast's linear: the weight is cast (ToCopyBackward0) and the GEMM saves its transpose
+    (TBackward0); that is a weight copy, as the emulation counts it, not an activation."""
+    from precision_audit.capture.memory import SavedTensorCounter
+
+    lin = nn.Linear(8, 4)
+    x = torch.randn(2, 8, dtype=torch.float16, requires_grad=True)  # an activation: mm saves the weight
+    counter = SavedTensorCounter(lin, lambda: None)
+    with counter:
+        w16 = lin.weight.to(torch.float16)
+        y = torch.mm(x, w16.t())
+        y = y + torch.mm(x, w16.t().contiguous())  # a copy of the cast, not a view: an activation
+    assert counter.tally.weight_copy_bytes == 4 * 8 * 2
+    assert counter.tally.activation_bytes == x.numel() * 2 + 4 * 8 * 2  # x, and the contiguous copy (no view)
+
+
+class Allocating(nn.Module):
+    """Models what a GPU allocates during its forward (4 bytes an element in fp32, 2 under autocast),
+    and records what instruments it ran under."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.fake = fake
+        self.seen: list[tuple[bool, int]] = []
+
+    def forward(self, x):
+        y = self.lin(x)
+        nbytes = 1000 * y.element_size()
+        self.fake.memory.allocate(nbytes)
+        self.fake.memory.free(nbytes)
+        self.seen.append((torch.autograd.profiler._is_profiler_enabled,
+                          len(self._forward_pre_hooks) + len(self._forward_hooks) + len(self.lin._forward_hooks)))
+        return y
+
+
+def test_peak_memory_is_per_step_above_the_baseline(fake_cuda):
+    model = Allocating(fake_cuda)
+    fake_cuda.memory.allocate(2**30)  # parameters, batch and what the session keeps: the baseline
+    with session(model, torch.randn(4, 16, device="cuda")) as s:
+        s.reference_run()
+        s.format_run(Format.BF16)
+        s.timed_steps(2, traces=False)
+        mem = s.result().memory
+    assert mem["fp32"]["peak_bytes"] == 4000
+    assert mem["bf16"]["peak_bytes"] == 2000
+
+
+def test_timed_steps_are_clean(fake_cuda):
+    """The step times come from steps with no profiler, no module hooks and no CUDA events."""
+    model = Allocating(fake_cuda)
+    with session(model, torch.randn(4, 16, device="cuda")) as s:
+        s.reference_run()
+        s.format_run(Format.BF16)
+        s.seen_before = len(s.model.seen)
+        events = fake_cuda.events_created
+        s.timed_steps(2, traces=False)
+        seen = s.model.seen[s.seen_before:]
+        assert len(s.step_times["fp32"]) == 2 and len(s.step_times["bf16"]) == 2
+    instrumented = [x for x in seen if x[1] > 0]
+    clean = [x for x in seen if x == (False, 0)]
+    assert len(instrumented) == 2 * 3  # warm-up + 2 profiled steps, per format
+    assert sum(on for on, _ in instrumented) == 2 * 2  # the profiler records after its warm-up step
+    assert len(clean) == 2 * 3  # warm-up + 2 clean steps per format, nothing attached
+    assert fake_cuda.events_created - events == 2 * 3 * 2 * 2  # events only in profiled steps: 2 modules x 2
+
+
+def test_peak_memory_not_measured_without_timed_steps(fake_cuda):
+    from precision_audit.analysis.performance import _memory
+
+    model = Allocating(fake_cuda)
+    with session(model, torch.randn(4, 16, device="cuda")) as s:
+        s.reference_run()
+        s.format_run(Format.BF16)
+        res = s.result()
+    mem = _memory(res, 0, 0)
+    assert mem["per_format"]["bf16"]["peak_gpu_bytes"] is None
+    assert mem["per_format"]["bf16"]["peak_note"].startswith("not measured: no clean timed step")

@@ -164,15 +164,21 @@ class CaptureSession:
         es.enter_context(torch.random.fork_rng(devices=devices))
         if self.config.mode == "emulated":
             self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
+        self._install_hooks()
+        return self
+
+    def _install_hooks(self) -> None:
         for m in self.model.modules():
             self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove_hooks()
         self._ref_outputs.clear()
         self._clone_cache.clear()
         self._exit.close()
@@ -453,8 +459,6 @@ class CaptureSession:
     # -- runs ----------------------------------------------------------------------------------------
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
-        if self.config.mode == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
         try:
             if fmt is None:
@@ -512,7 +516,6 @@ class CaptureSession:
             except Exception as e:
                 raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
                                     hint="check the model's custom autograd code (backward) in FP32 first") from e
-            self._record_peak("fp32")
         finally:
             self._phase = None
         # parameter gradients, attributed to the module that owns each parameter
@@ -549,7 +552,6 @@ class CaptureSession:
                 raise
             except Exception as e:  # a backward that fails only in low precision is this format's finding
                 raise _RunFailure(e, "(backward pass)") from e
-            self._record_peak(fmt.value)
         except _RunFailure as f:
             self._phase = None
             if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
@@ -613,11 +615,13 @@ class CaptureSession:
         return run
 
     def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
-        """Clean forward+backward steps per format under torch.profiler, timed on this machine's device.
+        """Per format, ``steps`` profiled steps, then ``steps`` clean ones (each after one warm-up step).
 
-        Module forwards are marked ``module::<name>`` in the traces and timed (CPU: wall clock; CUDA:
-        events). Traces (Chrome/Perfetto JSON, the format TensorBoard's profiler plugin reads) are kept in
-        ``self.traces`` for the caller to write atomically.
+        Profiled steps run under torch.profiler with module forwards marked ``module::<name>`` in the traces
+        and timed (CPU: wall clock; CUDA: a pair of events per module call); they give the traces (Chrome /
+        Perfetto JSON, what TensorBoard's profiler plugin reads; kept in ``self.traces`` for the caller to
+        write atomically) and the per-module times. Clean steps run with no profiler, no hooks and no events:
+        they give the step times and, on CUDA, the peak memory of a step above what was allocated before it.
         """
         import tempfile
         from pathlib import Path
@@ -629,7 +633,6 @@ class CaptureSession:
             key = "fp32" if fmt is None else fmt.value
             if fmt is not None and self.runs.get(fmt) and self.runs[fmt].error:
                 continue
-            times: list[float] = []
             self._layer_times = {}
             with tempfile.TemporaryDirectory() as tmp:
                 handler = tensorboard_trace_handler(tmp, worker_name=f"precision-audit-{key}", use_gzip=False) \
@@ -643,23 +646,12 @@ class CaptureSession:
                     for i in range(steps + 1):
                         self._reset()
                         self._phase = "profile"
-                        self._sync()
-                        t0 = time.perf_counter()
                         try:
-                            if fmt is None:
-                                with self._fp32_reference_switches():
-                                    loss = self._loss_of(self._forward(self.model))
-                                    loss.backward()
-                            else:
-                                with self._autocast(fmt):
-                                    loss = self._loss_of(self._forward(self.model))
-                                with self._backward_context():
-                                    loss.float().backward()
+                            self._step(fmt)
                             self._sync()
                         finally:
                             self._phase = None
                         if i:
-                            times.append(time.perf_counter() - t0)
                             self._collect_layer_times()
                         else:
                             self._pending_events.clear()
@@ -671,12 +663,61 @@ class CaptureSession:
                         prof.stop()
                 for f in sorted(Path(tmp).glob("*.json")):
                     self.traces[f"{key}/{f.name}"] = f.read_bytes()
-            self.step_times[key] = times
             for mid, ts in self._layer_times.items():
                 if ts:
                     self._layer(self._modules[mid]).measured_time_s[key] = min(ts) if steps else 0.0
+            self.step_times[key] = self._clean_steps(fmt, steps)
         self._reset()
         return self.step_times
+
+    def _step(self, fmt: Format | None) -> None:
+        """One forward and backward, as a training step runs them (FP32: TF32 off on CUDA)."""
+        if fmt is None:
+            with self._fp32_reference_switches():
+                loss = self._loss_of(self._forward(self.model))
+                loss.backward()
+        else:
+            with self._autocast(fmt):
+                loss = self._loss_of(self._forward(self.model))
+            with self._backward_context():
+                loss.float().backward()
+
+    def _clean_steps(self, fmt: Format | None, steps: int) -> list[float]:
+        """``steps`` uninstrumented steps after a warm-up: no profiler, no module hooks, no CUDA events.
+
+        On CUDA the peak allocation of each step is taken above what was allocated when it started (the
+        parameters, the batch and what this session keeps, such as the reference outputs): the figure of
+        each format is on the same basis, comparable with each other and with a training step's activations,
+        gradients and temporaries (docs/gpu.md, "Memory figures").
+        """
+        key = "fp32" if fmt is None else fmt.value
+        times: list[float] = []
+        peaks: list[int] = []
+        self._remove_hooks()
+        try:
+            for i in range(steps + 1):
+                self._reset()
+                base = self._peak_start()
+                self._sync()
+                t0 = time.perf_counter()
+                self._step(fmt)
+                self._sync()
+                dt = time.perf_counter() - t0
+                if i:  # the warm-up step carries one-time costs (kernel selection, workspaces)
+                    times.append(dt)
+                    if base is not None:
+                        peaks.append(int(torch.cuda.max_memory_allocated()) - base)
+        finally:
+            self._install_hooks()
+        if peaks:
+            self.memory.setdefault(key, {})["peak_bytes"] = max(peaks)
+        return times
+
+    def _peak_start(self) -> int | None:
+        if self.config.mode != "cuda":
+            return None
+        torch.cuda.reset_peak_memory_stats()
+        return int(torch.cuda.memory_allocated())
 
     def _profile_pre(self, m: torch.nn.Module) -> None:
         rf = torch.autograd.profiler.record_function(f"module::{self._names.get(id(m), '?') or '(model)'}")
@@ -707,10 +748,6 @@ class CaptureSession:
         for mid, t in self._step_layer_times.items():
             self._layer_times.setdefault(mid, []).append(t)
         self._step_layer_times = {}
-
-    def _record_peak(self, key: str) -> None:
-        if self.config.mode == "cuda" and key in self.memory:
-            self.memory[key]["peak_bytes"] = int(torch.cuda.max_memory_allocated())
 
     def _sync(self) -> None:
         if self.config.mode == "cuda":
