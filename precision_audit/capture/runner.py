@@ -1,8 +1,10 @@
 """The capture runs: an FP32 reference and one pass per low-precision format, forward and backward.
 
 The user's model is never touched: the session works on a deep copy and restores its parameters and
-buffers before every run, seeds every run identically (so dropout draws the same masks in every format),
-and restores the global RNG state when it ends.
+buffers before every run, seeds every run identically, and restores the global RNG state (every GPU's)
+when it ends. Every format sees the same dropout masks: in emulated mode the CPU kernels draw the same
+masks from the same seed whatever the dtype; in cuda mode, where they do not, the reference pass's draws
+are recorded and replayed in the other passes (capture/rng_replay.py).
 
 Per module call it streams statistics (never keeping whole tensors per layer and format, except the FP32
 outputs of the reference pass, which the low-precision passes are compared against):
@@ -30,6 +32,7 @@ from ..errors import AuditError, ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..tf32_switches import tf32_switches
 from .memory import SavedTensorCounter
+from .rng_replay import RandomDraws, recording, replaying
 from .ops import record_op
 from .emulation import (KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast,
                         is_missing_low_precision_kernel, rounding_registry_paused)
@@ -142,6 +145,8 @@ class CaptureSession:
         self._stack: list[int] = []
         self._own_ops: list[int] = []
         self._pre_rng: list[Any] = []
+        self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
+        self._draw_mismatches = 0
         self._rerunning = False
         self._call_index: dict[int, int] = {}
         self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
@@ -181,6 +186,7 @@ class CaptureSession:
         self._remove_hooks()
         self._ref_outputs.clear()
         self._clone_cache.clear()
+        self._draws.clear()
         self._exit.close()
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -249,6 +255,31 @@ class CaptureSession:
         with tf32_switches(matmul=False, cudnn=False):
             yield
 
+    @contextlib.contextmanager
+    def _same_draws(self, phase: Format | None, start: int = 0) -> Iterator[None]:
+        """CUDA only: the reference pass records its random draws (dropout masks), the other passes replay
+        them from position ``start``, so that every format sees the same masks (capture/rng_replay.py)."""
+        if self.config.mode != "cuda":
+            yield
+            return
+        if phase is None:
+            self._draws.clear()
+            with recording(self._draws):
+                yield
+            return
+        with replaying(self._draws, start) as r:
+            try:
+                yield
+            finally:
+                self._draw_mismatches += r.mismatches
+
+    def _draw_warnings(self) -> list[str]:
+        if not self._draw_mismatches:
+            return []
+        return [f"{self._draw_mismatches} random draw(s) in the low-precision passes had no draw of the same shape "
+                "at the same position in the FP32 reference and were drawn anew: their dropout masks (or noise) "
+                "differ from the reference's, so the errors of the modules after them include that difference"]
+
     def _layer(self, m: torch.nn.Module) -> LayerRecord:
         rec = self.layers.get(id(m))
         if rec is None:
@@ -308,7 +339,8 @@ class CaptureSession:
         with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
             self._stack.append(id(m))
             self._own_ops.append(0)
-            self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs)) if self._phase == "ref" else None)
+            self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs), len(self._draws))
+                                 if self._phase == "ref" else None)
             if self._phase == "ref":
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
 
@@ -366,7 +398,7 @@ class CaptureSession:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[torch.Tensor]] = {}
-        pre_rng, snapshot = pre_rng
+        pre_rng, snapshot, draw_start = pre_rng
         self._rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
@@ -378,13 +410,13 @@ class CaptureSession:
                     args, kwargs = copy.deepcopy(snapshot)
                 try:
                     try:
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
                     except Exception as e:
                         if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
                             raise
                         self._use_gemm_mode = True
                         self._set_rng_state(pre_rng)
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
                 except torch.OutOfMemoryError:
                     # not a finding of this module: a "not measured" here would read as zero impact to the
                     # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
@@ -408,11 +440,12 @@ class CaptureSession:
             self._rerunning = False
         return diffs
 
-    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str]) -> Any:
+    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
         # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op.
-        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt):
+        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), \
+                self._same_draws(fmt, draw_start):
             if not buffer_names:
                 return m(*args, **kwargs)
             buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}
@@ -462,11 +495,11 @@ class CaptureSession:
         counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
         try:
             if fmt is None:
-                with self._fp32_reference_switches(), counter, _OpTracker(self):
+                with self._fp32_reference_switches(), counter, self._same_draws(None), _OpTracker(self):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
             else:
-                with counter, self._autocast(fmt):
+                with counter, self._autocast(fmt), self._same_draws(fmt):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
             key = "fp32" if fmt is None else fmt.value
@@ -594,7 +627,8 @@ class CaptureSession:
         device_type = "cuda" if self.config.mode == "cuda" else "cpu"
         handle = policy.apply(self.model, device_type=device_type)
         try:
-            with torch.no_grad(), (self._autocast(default) if default else contextlib.nullcontext()):
+            with torch.no_grad(), (self._autocast(default) if default else contextlib.nullcontext()), \
+                    self._same_draws(default or Format.FP32):
                 out = self._forward(self.model)
                 loss = self._loss_of(out)
             run.loss = float(loss.detach().float())
@@ -779,7 +813,7 @@ class CaptureSession:
             grad_all=self.grad_all,
             step_times_s=dict(self.step_times),
             emulation=emulation,
-            warnings=list(self.warnings),
+            warnings=list(self.warnings) + self._draw_warnings(),
             memory=dict(self.memory),
             traces=dict(self.traces),
         )
