@@ -330,3 +330,89 @@ def test_cuda_passes_see_the_reference_dropout_masks(make, fake_cuda):
         fs = L.formats.get(Format.BF16)
         if fs is not None and fs.local is not None:
             assert fs.local.rel_l2 < 0.05, (L.name, fs.local.rel_l2)
+
+
+# -- GEMM timings -------------------------------------------------------------------------------------------
+
+class Misaligned(nn.Module):
+    """A misaligned convolution (C_in 3 -> C_out 12) and the same misaligned linear layer called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 12, 3, padding=1)
+        self.fc1 = nn.Linear(12, 20)
+        self.fc2 = nn.Linear(12, 20)
+
+    def forward(self, x):
+        h = self.conv(x).mean((2, 3))
+        return self.fc1(h) + self.fc2(h)  # one GEMM shape, twice
+
+
+@pytest.fixture(scope="module")
+def gemm_audit():
+    """One capture of Misaligned under the fake GPU (an H100), planned for an A100, its GEMMs timed."""
+    with FakeCuda() as fake:
+        yield _gemm_audit(fake, target="a100")
+
+
+def _gemm_audit(fake, target):
+    from precision_audit.analysis.performance import performance
+    from precision_audit.capture import gemm_bench
+    from precision_audit.gpus import resolve_target
+
+    calls: list[tuple] = []
+    real_gemm, real_conv = gemm_bench.time_gemm, gemm_bench.time_conv
+    gemm_bench.time_gemm = lambda *a, **k: (calls.append(("bmm", *a[:4])), real_gemm(*a, **k))[1]
+    gemm_bench.time_conv = lambda spec, *a, **k: (calls.append(("conv", spec)), real_conv(spec, *a, **k))[1]
+    try:
+        model = Misaligned()
+        with session(model, torch.randn(2, 3, 8, 8, device="cuda")) as s:
+            s.reference_run()
+            s.format_run(Format.BF16)
+            cap = s.result()
+        tgt = resolve_target(target)
+        perf = performance(cap, tgt, {}, 0, 0)
+        gemm_bench.measure_gemms(cap, perf, tgt, "cuda", (Format.BF16,))
+    finally:
+        gemm_bench.time_gemm, gemm_bench.time_conv = real_gemm, real_conv
+    return perf, calls
+
+
+def test_a_convolution_is_timed_as_a_convolution_with_padded_channels(gemm_audit):
+    perf, calls = gemm_audit
+    conv = next(f for f in perf.layers["conv"].alignment if f["kind"] == "conv")
+    as_is, padded = conv["measured"]["as_is"]["timed_as"], conv["measured"]["padded"]["timed_as"]
+    assert as_is == {"op": "convolution", "input": [2, 3, 8, 8], "weight": [12, 3, 3, 3], "stride": [1, 1],
+                     "padding": [1, 1], "groups": 1}
+    assert padded["input"] == [2, 8, 8, 8] and padded["weight"] == [16, 8, 3, 3]  # channels to 8, not K = 27
+    assert [c[0] for c in calls].count("conv") == 2
+
+
+def test_identical_gemms_are_timed_once(gemm_audit):
+    perf, calls = gemm_audit
+    bmm = [c for c in calls if c[0] == "bmm"]
+    assert len(bmm) == len(set(bmm)), f"a GEMM shape was timed more than once: {bmm}"
+    # fc1 and fc2 share their shape: both findings carry the one timing
+    t1 = next(f for f in perf.layers["fc1"].alignment if f.get("measured"))["measured"]["as_is"]["measured_s"]
+    t2 = next(f for f in perf.layers["fc2"].alignment if f.get("measured"))["measured"]["as_is"]["measured_s"]
+    assert t1 == t2
+
+
+def test_the_tensor_core_verdict_uses_the_measured_gpus_peak(gemm_audit):
+    from precision_audit.gpus import resolve_target
+
+    perf, _ = gemm_audit  # planned for an A100, measured on the (fake) H100
+    rec = next(f for f in perf.layers["fc1"].alignment if f.get("measured"))["measured"]["as_is"]
+    h100 = resolve_target("h100").peak("fp32")
+    assert rec["judged_against"] == f"NVIDIA H100 80GB HBM3 (measured): FP32 non-Tensor-Core peak {h100:g} TFLOP/s"
+    assert h100 != resolve_target("a100").peak("fp32")
+
+
+def test_no_tensor_core_verdict_for_a_gpu_not_in_the_table():
+    from fakecuda import FakeDeviceProperties
+    from precision_audit.capture.gemm_bench import GemmTimer
+    from precision_audit.capture.ops import GemmOp
+
+    with FakeCuda(props=FakeDeviceProperties(name="Some Future GPU", major=12, minor=0)):
+        rec = GemmTimer("cuda").measure(GemmOp("mm", "matmul", 8, 8, 8, 1, 1024, ()), torch.float16)
+    assert rec["tensor_cores"] is None and rec["judged_against"].startswith("not judged: Some Future GPU")
