@@ -32,9 +32,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,6 +308,15 @@ class FakeCuda:
         self._mode.__enter__()
         return self
 
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The real torch inside (e.g. to run an emulated audit to compare with), the fake again after."""
+        self.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.__enter__()
+
     def __deepcopy__(self, memo: dict) -> "FakeCuda":
         return self  # the device itself: a model holding it (to drive its memory) is copied without it
 
@@ -339,3 +350,55 @@ def fake_cuda():
     """A :class:`FakeCuda` installed for one test (see the module docstring for what it does not check)."""
     with FakeCuda() as fake:
         yield fake
+
+
+_AUDITS: dict[tuple, dict] = {}
+
+
+def fake_cuda_audit(name: str, **options: Any) -> dict:
+    """audit.json of a sample model audited in cuda mode under a fresh :class:`FakeCuda` (``--device cuda``),
+    computed once per (sample, options) per test session and shared by the test modules that ask for it."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from precision_audit.audit import AuditOptions, run_audit
+
+    key = (name, tuple(sorted(options.items())))
+    if key not in _AUDITS:
+        root = Path(__file__).resolve().parent.parent / "sample_models" / name
+        out = Path(tempfile.mkdtemp(prefix=f"fake-cuda-{name}-")) / "out"
+        with FakeCuda():
+            run_audit(AuditOptions(model=str(root / "model.py"), batch=str(root / "sample.pt"), out=out,
+                                   **{"device": "cuda", "steps": 1, **options}))
+        _AUDITS[key] = json.loads((out / "audit.json").read_text())
+        _AUDITS[key]["_out"] = str(out)
+    return _AUDITS[key]
+
+
+REAL_CUDA = torch.cuda.is_available()  # read when this module is imported, before any test fakes it
+
+
+@dataclass
+class GpuBackend:
+    """What a tests/gpu test runs on: ``kind`` "fake" (``fake`` is the device) or "real"."""
+
+    kind: str
+    fake: FakeCuda | None = None
+
+    @property
+    def real(self) -> bool:
+        return self.kind == "real"
+
+
+@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.gpu)])
+def gpu(request):
+    """Runs a tests/gpu test twice: on the fake device (the code paths, in every CI run) and on a real GPU
+    (``gpu`` marker; skipped without one: the numbers)."""
+    if request.param == "real":
+        if not REAL_CUDA:
+            pytest.skip("needs a CUDA GPU")
+        yield GpuBackend("real")
+    else:
+        with FakeCuda() as fake:
+            yield GpuBackend("fake", fake)

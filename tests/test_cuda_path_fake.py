@@ -416,3 +416,36 @@ def test_no_tensor_core_verdict_for_a_gpu_not_in_the_table():
     with FakeCuda(props=FakeDeviceProperties(name="Some Future GPU", major=12, minor=0)):
         rec = GemmTimer("cuda").measure(GemmOp("mm", "matmul", 8, 8, 8, 1, 1024, ()), torch.float16)
     assert rec["tensor_cores"] is None and rec["judged_against"].startswith("not judged: Some Future GPU")
+
+
+# -- a full cuda-mode audit of every sample model -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_a_cuda_mode_audit_of_every_sample_runs_to_the_end(name):
+    """What a GPU user runs first (``precision-audit MODEL --device cuda``), on the fake device: the audit
+    completes, and every figure that only a GPU run produces is there and says where it came from."""
+    from pathlib import Path
+
+    from fakecuda import fake_cuda_audit
+    from precision_audit.report.schemas import validate_audit
+
+    a = fake_cuda_audit(name, target="h100")  # shared with tests/gpu/test_cuda_vs_emulated.py
+    out = Path(a.pop("_out"))
+    try:
+        validate_audit(a)
+    finally:
+        a["_out"] = str(out)
+    assert a["mode"] == "cuda" and a["device"] == "cuda" and a["emulation"] is None
+    hw = a["hardware"]
+    assert hw["cuda_available"] and hw["nvml_status"] == "ok"
+    assert [g["name"] for g in hw["gpus"]] == ["NVIDIA H100 80GB HBM3"] and hw["gpus"][0]["source"] == "nvml+torch"
+    for fmt in ("fp32", *a["formats"]):
+        st = a["summary"][fmt]["step_time"]
+        assert st["measured_s"] > 0 and st["measured_on"] == "NVIDIA H100 80GB HBM3 (cuda)"
+        mem = a["memory"]["per_format"][fmt]
+        assert isinstance(mem["peak_gpu_bytes"], int) and mem["peak_note"] is None
+    assert a["memory"]["peak_basis"].startswith("peak GPU allocation of one clean")
+    assert a["traces"]["files"] and all((out / f).is_file() for f in a["traces"]["files"])
+    assert (out / "report.html").is_file() and (out / "policy.json").is_file()
+    assert a["plan"]["verification"] is not None and a["plan"]["verification"]["error"] is None
+    assert not any("not measured: RuntimeError" in w for w in a["warnings"]), a["warnings"]
