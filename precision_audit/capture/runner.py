@@ -740,7 +740,7 @@ class CaptureSession:
                 if i:  # the warm-up step carries one-time costs (kernel selection, workspaces)
                     times.append(dt)
                     if base is not None:
-                        peaks.append(int(torch.cuda.max_memory_allocated()) - base)
+                        peaks.append(int(torch.cuda.max_memory_allocated(self.config.device)) - base)
         finally:
             self._install_hooks()
         if peaks:
@@ -750,8 +750,8 @@ class CaptureSession:
     def _peak_start(self) -> int | None:
         if self.config.mode != "cuda":
             return None
-        torch.cuda.reset_peak_memory_stats()
-        return int(torch.cuda.memory_allocated())
+        torch.cuda.reset_peak_memory_stats(self.config.device)
+        return int(torch.cuda.memory_allocated(self.config.device))
 
     def _profile_pre(self, m: torch.nn.Module) -> None:
         rf = torch.autograd.profiler.record_function(f"module::{self._names.get(id(m), '?') or '(model)'}")
