@@ -6,7 +6,6 @@ measured on which basis), not GPU numerics: tests/gpu does that on a real GPU.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import ROOT, SAMPLES
+from conftest import SAMPLES
 from fakecuda import FakeCuda, fake_cuda  # noqa: F401 - the fixture
 from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
@@ -449,3 +448,45 @@ def test_a_cuda_mode_audit_of_every_sample_runs_to_the_end(name):
     assert (out / "report.html").is_file() and (out / "policy.json").is_file()
     assert a["plan"]["verification"] is not None and a["plan"]["verification"]["error"] is None
     assert not any("not measured: RuntimeError" in w for w in a["warnings"]), a["warnings"]
+
+
+# -- the fake device itself ------------------------------------------------------------------------------------
+
+def test_the_fake_device_fakes_what_the_audit_calls_and_leaves_nothing_behind():
+    real = (torch.cuda.is_available(), torch.autocast, torch.is_autocast_enabled, sys.modules.get("pynvml"))
+    with FakeCuda(device_count=2) as fake:
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 2
+        assert torch.cuda.get_device_properties(1).name == "NVIDIA H100 80GB HBM3"
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.cuda.get_device_properties(2)
+        x = torch.ones(3, device="cuda")
+        y = torch.zeros(2).to("cuda:1")
+        assert x.device.type == "cpu" and y.device.type == "cpu" and torch.randn(2).cuda().device.type == "cpu"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+            # routed to the emulation of CUDA autocast: layer_norm runs in fp32 as on CUDA (not as CPU autocast)
+            assert nn.functional.layer_norm(x.bfloat16(), (3,)).dtype == torch.float32
+            assert (x @ x.view(3, 1)).dtype == torch.bfloat16
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        time.sleep(0.01)
+        e.record()
+        assert 5 < s.elapsed_time(e) < 1000
+        torch.cuda.manual_seed_all(7)
+        assert torch.equal(torch.cuda.get_rng_state(0), torch.cuda.get_rng_state(1))
+        fake.memory.allocate(100)
+        torch.cuda.reset_peak_memory_stats()
+        fake.memory.allocate(50)
+        fake.memory.free(50)
+        assert (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()) == (100, 150)
+        import pynvml
+
+        pynvml.nvmlInit()
+        assert pynvml.nvmlDeviceGetCount() == 2
+        assert pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)) == "NVIDIA H100 80GB HBM3"
+        pynvml.nvmlShutdown()
+    assert (torch.cuda.is_available(), torch.autocast, torch.is_autocast_enabled, sys.modules.get("pynvml")) == real
+    assert torch.ones(1, device="cpu").device.type == "cpu"
+    if not real[0]:
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.ones(1, device="cuda")
