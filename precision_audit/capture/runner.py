@@ -219,13 +219,13 @@ class CaptureSession:
         self._stat_cache.clear()
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cuda = torch.cuda.get_rng_state() if self.config.mode == "cuda" else None
+        cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
         return torch.get_rng_state(), cuda
 
     def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         torch.set_rng_state(state[0])
         if state[1] is not None:
-            torch.cuda.set_rng_state(state[1])
+            torch.cuda.set_rng_state(state[1], self.config.device)
 
     @contextlib.contextmanager
     def _autocast(self, fmt: Format) -> Iterator[None]:
@@ -276,8 +276,9 @@ class CaptureSession:
     def _draw_warnings(self) -> list[str]:
         if not self._draw_mismatches:
             return []
-        return [f"{self._draw_mismatches} random draw(s) in the low-precision passes had no draw of the same shape "
-                "at the same position in the FP32 reference and were drawn anew: their dropout masks (or noise) "
+        return [f"{self._draw_mismatches} random draw(s) in the low-precision passes (counted per pass and re-run) "
+                "had no draw of the same shape at the same position in the FP32 reference and were drawn anew: "
+                "their dropout masks (or noise) "
                 "differ from the reference's, so the errors of the modules after them include that difference"]
 
     def _layer(self, m: torch.nn.Module) -> LayerRecord:
