@@ -447,7 +447,6 @@ def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: t
 
 
 MAX_REPAIRS = 4
-MAX_TIMED_GEMMS = 16  # GPU only: distinct GEMMs timed in isolation, largest first
 
 
 def _verify_and_repair(session, model, fp, n_modules, target, plan, policy, analysis, result, say):
@@ -507,42 +506,9 @@ def _impact_of(session, name: str, fmt: Format) -> float:
 
 def _measure_gemms_on_gpu(capture, perf, target: GpuSpec, device: str, formats: tuple[Format, ...]) -> None:
     """Attach measured times to alignment findings: each misaligned GEMM as is and padded (CUDA only)."""
-    from .analysis.alignment import padded
-    from .capture.gemm_bench import measure
+    from .capture.gemm_bench import measure_gemms
 
-    fmt = Format.BF16 if Format.BF16 in formats else (formats[0] if formats else None)
-    if fmt is None:
-        return
-    dtype = LOW_PRECISION_DTYPES[fmt]
-    fp32_peak = target.peak("fp32")
-    # achieved TFLOP/s of the largest distinct GEMMs, judged against the FP32 non-Tensor-Core peak
-    distinct: dict[tuple, tuple[str, Any]] = {}
-    for rec in capture.layers:
-        for g, _ in rec.ops.gemms.values():
-            if g.kind == "matmul":
-                distinct.setdefault((g.m, g.n, g.k, g.batch), (rec.name, g))
-    largest = sorted(distinct.values(), key=lambda ng: -ng[1].flops)[:MAX_TIMED_GEMMS]
-    for name, g in largest:
-        lp = perf.layers.get(name)
-        if lp is not None and lp.cost is not None:
-            lp.cost.setdefault("measured_gemms", []).append(
-                {"format": fmt.value, "gemm": {"m": g.m, "n": g.n, "k": g.k, "batch": g.batch},
-                 **measure(g, dtype, device, fp32_peak), "peak_tflops": target.peak(fmt.value)})
-    for rec in capture.layers:
-        lp = perf.layers.get(rec.name)
-        if lp is None:
-            continue
-        gemms = {(g.m, g.n, g.k, g.batch): g for g, _ in rec.ops.gemms.values()}
-        for finding in lp.alignment:
-            shape = finding.get("gemm")
-            if not shape:
-                continue
-            g = gemms.get((shape["m"], shape["n"], shape["k"], shape["batch"]))
-            if g is None:
-                continue
-            finding["measured"] = {"format": fmt.value, "as_is": measure(g, dtype, device, fp32_peak),
-                                   "padded": measure(padded(g, fmt), dtype, device, fp32_peak),
-                                   "measured_on": torch.cuda.get_device_name(device)}
+    measure_gemms(capture, perf, target, device, formats)
 
 
 def _rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:

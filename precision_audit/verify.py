@@ -21,6 +21,7 @@ import torch
 from .errors import OptionError
 from .formats import Format
 from .policy.schema import Policy
+from .tf32_switches import tf32_switches
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     skipped: dict[str, int] = {}
     errors: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.random.fork_rng(devices=[torch.device(device).index or 0] if mode == "cuda" else []))
+        # every GPU's generator is put back, not just the one the arms run on (a model may draw on another)
+        stack.enter_context(torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if mode == "cuda"
+                                                  else []))
         if mode != "cuda":
             stack.enter_context(CudaAutocastPolicy(resolve_kernels("auto")))
         for arm, dtype in arms:
@@ -83,13 +86,18 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
             opt = _optimizer(opts, [p for p in m.parameters() if p.requires_grad])
             losses: list[float | None] = []
             try:
-                with _armed(arm, policy, m, opt, device_type) as step:
+                # The FP32 arm is strict IEEE fp32 on CUDA, as the audit's reference: TF32 off for cuBLAS *and*
+                # cuDNN; the user's exact settings come back after (precision_audit/tf32_switches.py).
+                with (tf32_switches(matmul=False, cudnn=False) if arm == "fp32" and mode == "cuda"
+                      else contextlib.nullcontext()), _armed(arm, policy, m, opt, device_type) as step:
                     for _ in range(opts.steps):
                         with autocast(dtype):
                             loss = loss_of(forward(m))
                         lv, skip = step(loss)
                         losses.append(lv if math.isfinite(lv) else None)
                         skipped[arm] = skipped.get(arm, 0) + int(skip)
+            except torch.OutOfMemoryError:
+                raise  # the GPU's limit, not the arm's: cli.py gives the advice
             except Exception as e:  # an arm that cannot train (e.g. a banned op under autocast) is reported
                 errors[arm] = f"{type(e).__name__}: {e}"
             curves[arm] = losses

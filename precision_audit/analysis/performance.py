@@ -131,6 +131,19 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
                        memory=memory)
 
 
+PEAK_BASIS = ("peak GPU allocation of one clean (uninstrumented) forward+backward step above what was allocated "
+              "when the step started: activations, gradients and temporaries; the parameters, the batch and "
+              "what the audit itself keeps are in the baseline, not in the figure (no optimizer state)")
+
+
+def _peak_note(capture: CaptureResult, m: dict[str, Any]) -> str | None:
+    if m.get("peak_bytes") is not None:
+        return None
+    if capture.mode != "cuda":
+        return "not measured: no GPU in this run"
+    return "not measured: no clean timed step ran for this format (--steps 0, or its pass failed)"
+
+
 def _memory(capture: CaptureResult, param_bytes: int, trainable_params: int) -> dict[str, Any]:
     grads = trainable_params * 4  # fp32 master gradients under autocast
     per_run: dict[str, Any] = {}
@@ -145,7 +158,7 @@ def _memory(capture: CaptureResult, param_bytes: int, trainable_params: int) -> 
             "saved_weight_copy_bytes": wc,
             "total_with_adam_bytes": param_bytes + grads + trainable_params * 8 + act + wc,
             "peak_gpu_bytes": m.get("peak_bytes"),
-            "peak_note": None if m.get("peak_bytes") is not None else "not measured: no GPU in this run",
+            "peak_note": _peak_note(capture, m),
         }
     advice = []
     ref = per_run.get("fp32", {}).get("saved_activation_bytes")
@@ -165,4 +178,7 @@ def _memory(capture: CaptureResult, param_bytes: int, trainable_params: int) -> 
             advice.append(f"the layers saving the most for backward (candidates for activation checkpointing): {names}")
     return {"per_format": per_run, "advice": advice,
             "note": "activations: tensors autograd saved for backward in each pass, counted once per storage "
-                    "(parameters excluded; in emulated mode fp16/bf16 values held in fp32 are counted at 2 bytes)"}
+                    "(parameters excluded; autocast's casts of parameters, and views of them such as the "
+                    "transposed weight a GEMM saves, are weight copies in both modes; in emulated mode fp16/bf16 "
+                    "values held in fp32 are counted at 2 bytes)",
+            "peak_basis": PEAK_BASIS if capture.mode == "cuda" else None}

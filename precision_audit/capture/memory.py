@@ -86,8 +86,22 @@ class SavedTensorCounter:
 
 
 def _is_parameter_cast(t: torch.Tensor) -> bool:
-    """A cast of a leaf parameter (autocast's weight copy): ToCopyBackward0 -> AccumulateGrad."""
+    """A cast of a leaf parameter (autocast's weight copy), or a view of one: CUDA autocast casts a linear
+    layer's weight and the GEMM saves ``weight_cast.t()`` (TBackward0 -> ToCopyBackward0 -> AccumulateGrad);
+    counted as a weight copy in cuda mode as in emulated mode (docs/gpu.md, "Memory figures")."""
     fn = t.grad_fn
+    if t._is_view() and t._base is not None and t._base.grad_fn is not None:
+        fn = t._base.grad_fn  # the tensor the view was taken of
+    for _ in range(16):  # views of views (t, view, expand, ...) without a _base: follow the view nodes
+        if fn is None or type(fn).__name__ not in _VIEW_NODES:
+            break
+        fn = fn.next_functions[0][0] if fn.next_functions else None
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
     return any(nf is not None and type(nf).__name__ == "AccumulateGrad" for nf, _ in fn.next_functions)
+
+
+# autograd nodes of view ops: a tensor saved through one of them still holds the storage of what it views
+_VIEW_NODES = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+               "ExpandBackward0", "AsStridedBackward0", "SliceBackward0", "SelectBackward0", "UnsqueezeBackward0",
+               "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "AliasBackward0", "ReshapeAliasBackward0"}

@@ -33,6 +33,8 @@ class GemmOp:
     # dimensions worth padding, by the name a person knows them by: {"K": ("in_features", 1001), ...}
     dims: tuple[tuple[str, str, int], ...]
     note: str | None = None
+    # convolutions: the call itself, so that a GPU benchmark times a convolution of this shape (not a matmul)
+    conv: "ConvSpec | None" = None
 
     def key(self) -> tuple:
         return (self.op, self.kind, self.m, self.n, self.k, self.batch)
@@ -62,6 +64,20 @@ def _mv(args, kwargs, out) -> GemmOp:
     return GemmOp("mv", "matmul", m, 1, k, 1, 2 * m * k, _gemm_dims(m, 1, k))
 
 
+@dataclass(frozen=True)
+class ConvSpec:
+    """A convolution call's shapes and arguments (``aten.convolution``'s)."""
+
+    input: tuple[int, ...]
+    weight: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    output_padding: tuple[int, ...]
+    groups: int
+
+
 def _conv(args, kwargs, out) -> GemmOp:
     x, w = args[0], args[1]
     transposed = bool(args[6]) if len(args) > 6 else False
@@ -73,8 +89,15 @@ def _conv(args, kwargs, out) -> GemmOp:
     m = out.shape[0] * spatial
     k = (c_in // groups) * math.prod(w.shape[2:])
     note = "grouped/depthwise convolution: maps poorly onto Tensor Cores" if groups > 1 else None
+    nd = x.dim() - 2
+
+    def arg(i: int, default: int) -> tuple[int, ...]:
+        v = args[i] if len(args) > i else default
+        return tuple(int(a) for a in v) if isinstance(v, (list, tuple)) else (int(v),) * nd
+
+    spec = ConvSpec(tuple(x.shape), tuple(w.shape), arg(3, 1), arg(4, 0), arg(5, 1), transposed, arg(7, 0), groups)
     return GemmOp("convolution", "conv", m, c_out, k, 1, flops,
-                  (("C_in", "input channels", c_in), ("C_out", "output channels", c_out)), note)
+                  (("C_in", "input channels", c_in), ("C_out", "output channels", c_out)), note, spec)
 
 
 def _sdpa_cpu(args, kwargs, out) -> GemmOp:

@@ -1,8 +1,10 @@
 """The capture runs: an FP32 reference and one pass per low-precision format, forward and backward.
 
 The user's model is never touched: the session works on a deep copy and restores its parameters and
-buffers before every run, seeds every run identically (so dropout draws the same masks in every format),
-and restores the global RNG state when it ends.
+buffers before every run, seeds every run identically, and restores the global RNG state (every GPU's)
+when it ends. Every format sees the same dropout masks: in emulated mode the CPU kernels draw the same
+masks from the same seed whatever the dtype; in cuda mode, where they do not, the reference pass's draws
+are recorded and replayed in the other passes (capture/rng_replay.py).
 
 Per module call it streams statistics (never keeping whole tensors per layer and format, except the FP32
 outputs of the reference pass, which the low-precision passes are compared against):
@@ -28,7 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..errors import AuditError, ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
+from ..tf32_switches import tf32_switches
 from .memory import SavedTensorCounter
+from .rng_replay import RandomDraws, recording, replaying
 from .ops import record_op
 from .emulation import (KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast,
                         is_missing_low_precision_kernel, rounding_registry_paused)
@@ -141,6 +145,8 @@ class CaptureSession:
         self._stack: list[int] = []
         self._own_ops: list[int] = []
         self._pre_rng: list[Any] = []
+        self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
+        self._draw_mismatches = 0
         self._rerunning = False
         self._call_index: dict[int, int] = {}
         self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
@@ -158,21 +164,29 @@ class CaptureSession:
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
         es = self._exit
-        devices = [torch.device(self.config.device).index or 0] if self.config.mode == "cuda" else []
+        # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device 0's
+        devices = list(range(torch.cuda.device_count())) if self.config.mode == "cuda" else []
         es.enter_context(torch.random.fork_rng(devices=devices))
         if self.config.mode == "emulated":
             self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
+        self._install_hooks()
+        return self
+
+    def _install_hooks(self) -> None:
         for m in self.model.modules():
             self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self._remove_hooks()
         self._ref_outputs.clear()
         self._clone_cache.clear()
+        self._draws.clear()
         self._exit.close()
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -205,13 +219,13 @@ class CaptureSession:
         self._stat_cache.clear()
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cuda = torch.cuda.get_rng_state() if self.config.mode == "cuda" else None
+        cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
         return torch.get_rng_state(), cuda
 
     def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
         torch.set_rng_state(state[0])
         if state[1] is not None:
-            torch.cuda.set_rng_state(state[1])
+            torch.cuda.set_rng_state(state[1], self.config.device)
 
     @contextlib.contextmanager
     def _autocast(self, fmt: Format) -> Iterator[None]:
@@ -233,17 +247,39 @@ class CaptureSession:
 
     @contextlib.contextmanager
     def _fp32_reference_switches(self) -> Iterator[None]:
-        """TF32 off for the FP32 reference on CUDA; the user's switches are restored afterwards."""
+        """TF32 off for the FP32 reference on CUDA (cuBLAS and cuDNN); the user's exact settings are restored
+        afterwards, through the API they were made with (precision_audit/tf32_switches.py)."""
         if self.config.mode != "cuda":
             yield
             return
-        old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        try:
+        with tf32_switches(matmul=False, cudnn=False):
             yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+    @contextlib.contextmanager
+    def _same_draws(self, phase: Format | None, start: int = 0) -> Iterator[None]:
+        """CUDA only: the reference pass records its random draws (dropout masks), the other passes replay
+        them from position ``start``, so that every format sees the same masks (capture/rng_replay.py)."""
+        if self.config.mode != "cuda":
+            yield
+            return
+        if phase is None:
+            self._draws.clear()
+            with recording(self._draws):
+                yield
+            return
+        with replaying(self._draws, start) as r:
+            try:
+                yield
+            finally:
+                self._draw_mismatches += r.mismatches
+
+    def _draw_warnings(self) -> list[str]:
+        if not self._draw_mismatches:
+            return []
+        return [f"{self._draw_mismatches} random draw(s) in the low-precision passes (counted per pass and re-run) "
+                "had no draw of the same shape at the same position in the FP32 reference and were drawn anew: "
+                "their dropout masks (or noise) "
+                "differ from the reference's, so the errors of the modules after them include that difference"]
 
     def _layer(self, m: torch.nn.Module) -> LayerRecord:
         rec = self.layers.get(id(m))
@@ -304,7 +340,8 @@ class CaptureSession:
         with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
             self._stack.append(id(m))
             self._own_ops.append(0)
-            self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs)) if self._phase == "ref" else None)
+            self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs), len(self._draws))
+                                 if self._phase == "ref" else None)
             if self._phase == "ref":
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
 
@@ -362,7 +399,7 @@ class CaptureSession:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[torch.Tensor]] = {}
-        pre_rng, snapshot = pre_rng
+        pre_rng, snapshot, draw_start = pre_rng
         self._rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
@@ -374,13 +411,17 @@ class CaptureSession:
                     args, kwargs = copy.deepcopy(snapshot)
                 try:
                     try:
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
                     except Exception as e:
                         if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
                             raise
                         self._use_gemm_mode = True
                         self._set_rng_state(pre_rng)
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
+                except torch.OutOfMemoryError:
+                    # not a finding of this module: a "not measured" here would read as zero impact to the
+                    # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
+                    raise
                 except Exception as e:  # the module fails under autocast: reported, not fatal
                     fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
                     continue
@@ -400,11 +441,12 @@ class CaptureSession:
             self._rerunning = False
         return diffs
 
-    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str]) -> Any:
+    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
         # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op.
-        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt):
+        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), \
+                self._same_draws(fmt, draw_start):
             if not buffer_names:
                 return m(*args, **kwargs)
             buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}
@@ -451,16 +493,14 @@ class CaptureSession:
     # -- runs ----------------------------------------------------------------------------------------
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
-        if self.config.mode == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
         try:
             if fmt is None:
-                with self._fp32_reference_switches(), counter, _OpTracker(self):
+                with self._fp32_reference_switches(), counter, self._same_draws(None), _OpTracker(self):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
             else:
-                with counter, self._autocast(fmt):
+                with counter, self._autocast(fmt), self._same_draws(fmt):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
             key = "fp32" if fmt is None else fmt.value
@@ -510,7 +550,6 @@ class CaptureSession:
             except Exception as e:
                 raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
                                     hint="check the model's custom autograd code (backward) in FP32 first") from e
-            self._record_peak("fp32")
         finally:
             self._phase = None
         # parameter gradients, attributed to the module that owns each parameter
@@ -547,7 +586,6 @@ class CaptureSession:
                 raise
             except Exception as e:  # a backward that fails only in low precision is this format's finding
                 raise _RunFailure(e, "(backward pass)") from e
-            self._record_peak(fmt.value)
         except _RunFailure as f:
             self._phase = None
             if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
@@ -590,7 +628,8 @@ class CaptureSession:
         device_type = "cuda" if self.config.mode == "cuda" else "cpu"
         handle = policy.apply(self.model, device_type=device_type)
         try:
-            with torch.no_grad(), (self._autocast(default) if default else contextlib.nullcontext()):
+            with torch.no_grad(), (self._autocast(default) if default else contextlib.nullcontext()), \
+                    self._same_draws(default or Format.FP32):
                 out = self._forward(self.model)
                 loss = self._loss_of(out)
             run.loss = float(loss.detach().float())
@@ -601,6 +640,8 @@ class CaptureSession:
                 for r, y in zip(ref[0], ys):
                     run.output.update(r, y)
                 run.output_nonfinite = run.output.nonfinite
+        except torch.OutOfMemoryError:
+            raise  # the GPU's limit, not the plan's fault: it must not count as a broken plan
         except Exception as e:  # the plan itself fails: reported as a broken plan, not a crash
             run.error = f"{type(e).__name__}: {e}"
         finally:
@@ -609,11 +650,13 @@ class CaptureSession:
         return run
 
     def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
-        """Clean forward+backward steps per format under torch.profiler, timed on this machine's device.
+        """Per format, ``steps`` profiled steps, then ``steps`` clean ones (each after one warm-up step).
 
-        Module forwards are marked ``module::<name>`` in the traces and timed (CPU: wall clock; CUDA:
-        events). Traces (Chrome/Perfetto JSON, the format TensorBoard's profiler plugin reads) are kept in
-        ``self.traces`` for the caller to write atomically.
+        Profiled steps run under torch.profiler with module forwards marked ``module::<name>`` in the traces
+        and timed (CPU: wall clock; CUDA: a pair of events per module call); they give the traces (Chrome /
+        Perfetto JSON, what TensorBoard's profiler plugin reads; kept in ``self.traces`` for the caller to
+        write atomically) and the per-module times. Clean steps run with no profiler, no hooks and no events:
+        they give the step times and, on CUDA, the peak memory of a step above what was allocated before it.
         """
         import tempfile
         from pathlib import Path
@@ -625,7 +668,6 @@ class CaptureSession:
             key = "fp32" if fmt is None else fmt.value
             if fmt is not None and self.runs.get(fmt) and self.runs[fmt].error:
                 continue
-            times: list[float] = []
             self._layer_times = {}
             with tempfile.TemporaryDirectory() as tmp:
                 handler = tensorboard_trace_handler(tmp, worker_name=f"precision-audit-{key}", use_gzip=False) \
@@ -639,23 +681,12 @@ class CaptureSession:
                     for i in range(steps + 1):
                         self._reset()
                         self._phase = "profile"
-                        self._sync()
-                        t0 = time.perf_counter()
                         try:
-                            if fmt is None:
-                                with self._fp32_reference_switches():
-                                    loss = self._loss_of(self._forward(self.model))
-                                    loss.backward()
-                            else:
-                                with self._autocast(fmt):
-                                    loss = self._loss_of(self._forward(self.model))
-                                with self._backward_context():
-                                    loss.float().backward()
+                            self._step(fmt)
                             self._sync()
                         finally:
                             self._phase = None
                         if i:
-                            times.append(time.perf_counter() - t0)
                             self._collect_layer_times()
                         else:
                             self._pending_events.clear()
@@ -667,12 +698,61 @@ class CaptureSession:
                         prof.stop()
                 for f in sorted(Path(tmp).glob("*.json")):
                     self.traces[f"{key}/{f.name}"] = f.read_bytes()
-            self.step_times[key] = times
             for mid, ts in self._layer_times.items():
                 if ts:
                     self._layer(self._modules[mid]).measured_time_s[key] = min(ts) if steps else 0.0
+            self.step_times[key] = self._clean_steps(fmt, steps)
         self._reset()
         return self.step_times
+
+    def _step(self, fmt: Format | None) -> None:
+        """One forward and backward, as a training step runs them (FP32: TF32 off on CUDA)."""
+        if fmt is None:
+            with self._fp32_reference_switches():
+                loss = self._loss_of(self._forward(self.model))
+                loss.backward()
+        else:
+            with self._autocast(fmt):
+                loss = self._loss_of(self._forward(self.model))
+            with self._backward_context():
+                loss.float().backward()
+
+    def _clean_steps(self, fmt: Format | None, steps: int) -> list[float]:
+        """``steps`` uninstrumented steps after a warm-up: no profiler, no module hooks, no CUDA events.
+
+        On CUDA the peak allocation of each step is taken above what was allocated when it started (the
+        parameters, the batch and what this session keeps, such as the reference outputs): the figure of
+        each format is on the same basis, comparable with each other and with a training step's activations,
+        gradients and temporaries (docs/gpu.md, "Memory figures").
+        """
+        key = "fp32" if fmt is None else fmt.value
+        times: list[float] = []
+        peaks: list[int] = []
+        self._remove_hooks()
+        try:
+            for i in range(steps + 1):
+                self._reset()
+                base = self._peak_start()
+                self._sync()
+                t0 = time.perf_counter()
+                self._step(fmt)
+                self._sync()
+                dt = time.perf_counter() - t0
+                if i:  # the warm-up step carries one-time costs (kernel selection, workspaces)
+                    times.append(dt)
+                    if base is not None:
+                        peaks.append(int(torch.cuda.max_memory_allocated(self.config.device)) - base)
+        finally:
+            self._install_hooks()
+        if peaks:
+            self.memory.setdefault(key, {})["peak_bytes"] = max(peaks)
+        return times
+
+    def _peak_start(self) -> int | None:
+        if self.config.mode != "cuda":
+            return None
+        torch.cuda.reset_peak_memory_stats(self.config.device)
+        return int(torch.cuda.memory_allocated(self.config.device))
 
     def _profile_pre(self, m: torch.nn.Module) -> None:
         rf = torch.autograd.profiler.record_function(f"module::{self._names.get(id(m), '?') or '(model)'}")
@@ -704,10 +784,6 @@ class CaptureSession:
             self._layer_times.setdefault(mid, []).append(t)
         self._step_layer_times = {}
 
-    def _record_peak(self, key: str) -> None:
-        if self.config.mode == "cuda" and key in self.memory:
-            self.memory[key]["peak_bytes"] = int(torch.cuda.max_memory_allocated())
-
     def _sync(self) -> None:
         if self.config.mode == "cuda":
             torch.cuda.synchronize()
@@ -738,7 +814,7 @@ class CaptureSession:
             grad_all=self.grad_all,
             step_times_s=dict(self.step_times),
             emulation=emulation,
-            warnings=list(self.warnings),
+            warnings=list(self.warnings) + self._draw_warnings(),
             memory=dict(self.memory),
             traces=dict(self.traces),
         )

@@ -10,7 +10,8 @@ survives ``copy.deepcopy`` (the copy's wrapper points at the copy).
 - ``fp32``: autocast disabled; floating inputs in fp16/bf16 are cast to fp32 (nested in tuples, lists and
   dicts); on CUDA, TF32 is switched off inside (strict IEEE fp32).
 - ``tf32``: as ``fp32``, but with TF32 switched on inside (``torch.backends.cuda.matmul.allow_tf32`` and
-  ``torch.backends.cudnn.allow_tf32``), restored after.
+  ``torch.backends.cudnn.allow_tf32``, or their ``fp32_precision`` equivalents when the program uses the newer
+  API), the user's exact settings restored after (precision_audit/tf32_switches.py).
 - ``bf16`` / ``fp16``: autocast in that dtype (e.g. an fp16 module inside a bf16 default). The autocast weight
   cache is only used when the dtype is the policy's default one: a weight shared by modules in two
   low-precision formats would otherwise be served from the cache in the wrong dtype.
@@ -30,6 +31,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PolicyError
+from ..tf32_switches import Tf32State, set_tf32, tf32_enabled
+from ..tf32_switches import restore as tf32_restore
+from ..tf32_switches import snapshot as tf32_snapshot
 from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 
 log = logging.getLogger(__name__)
@@ -88,22 +92,21 @@ def _infer_device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> st
 
 
 class _TF32:
-    """Set both TF32 switches inside, restore them after (only touching them when they differ)."""
+    """Set both TF32 switches inside, restore the user's exact settings after (only touching them when they
+    differ), through the API the program uses (precision_audit/tf32_switches.py)."""
 
     def __init__(self, on: bool) -> None:
         self.on = on
-        self.saved: tuple[bool, bool] | None = None
+        self.saved: Tf32State | None = None
 
     def __enter__(self) -> None:
-        saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        if saved != (self.on, self.on):
-            self.saved = saved
-            torch.backends.cuda.matmul.allow_tf32 = self.on
-            torch.backends.cudnn.allow_tf32 = self.on
+        if tf32_enabled() != (self.on, self.on):
+            self.saved = tf32_snapshot()
+            set_tf32(self.on, self.on, legacy=self.saved.legacy is not None)
 
     def __exit__(self, *exc: Any) -> None:
         if self.saved is not None:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+            tf32_restore(self.saved)
             self.saved = None
 
 
@@ -274,7 +277,8 @@ class PolicyAutocast:
     - default ``bf16`` / ``fp16``: ``torch.autocast(device_type, dtype=...)``;
     - default ``fp32``: autocast disabled; default ``tf32``: autocast disabled and TF32 on;
     - the policy's ``tf32`` switches (``torch.backends.cuda.matmul.allow_tf32``,
-      ``torch.backends.cudnn.allow_tf32``) are set on entry and restored on exit, even on error.
+      ``torch.backends.cudnn.allow_tf32``, or the newer ``fp32_precision`` API when the program uses it) are
+      set on entry and the user's exact settings restored on exit, even on error.
 
     ``enabled=False`` is a no-op context (plain fp32 run). Re-entrant: each ``with`` saves and restores.
 
@@ -298,20 +302,20 @@ class PolicyAutocast:
             self.tf32 = (True, True)
         else:
             self.tf32 = (policy.tf32_matmul, policy.tf32_cudnn)
-        self._stack: list[tuple[tuple[bool, bool] | None, torch.autocast]] = []
+        self._stack: list[tuple[Tf32State | None, torch.autocast]] = []
 
     def __enter__(self) -> "PolicyAutocast":
         saved = None
         if self.enabled:
-            saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.tf32
+            saved = tf32_snapshot()
+            set_tf32(*self.tf32, legacy=saved.legacy is not None)
         ctx = torch.autocast(self.device_type, dtype=self.dtype,
                              enabled=self.enabled and self.dtype is not None)
         try:
             ctx.__enter__()
         except BaseException:
             if saved is not None:
-                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+                tf32_restore(saved)
             raise
         self._stack.append((saved, ctx))
         return self
@@ -322,7 +326,7 @@ class PolicyAutocast:
             ctx.__exit__(*exc)
         finally:
             if saved is not None:
-                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+                tf32_restore(saved)
 
 
 def make_grad_scaler(policy: Policy, device: str = "cuda") -> torch.amp.GradScaler:
