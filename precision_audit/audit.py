@@ -278,8 +278,8 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         "traces": {"dir": "tb", "files": sorted(f"tb/{k}" for k in capture.traces),
                    "note": "torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
                            "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"},
-        # re-derived from the modules the plan runs in FP16; the uniform pass's figure is kept inside it
-        "loss_scale": analysis.loss_scale.for_plan(plan).to_dict() if analysis.loss_scale else None,
+        # the uniform FP16 pass's scale, and in "plan" the one re-derived for the modules the plan runs in FP16
+        "loss_scale": analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None,
         "layers": [layer_dict(L, plan, perf.layers.get(L.name), time_label) for L in analysis.layers],
         "plan": {
             "source": plan.source,

@@ -80,9 +80,9 @@ def test_loss_gradient_is_left_out_and_the_known_largest_gradient_sets_the_scale
     assert ls["max_abs_grad"] == 2.0 ** -5, "dL/dL = 1 must not be the largest gradient"
     assert _ceiling(2.0 ** -5) == 20
     assert ls["max_no_overflow_scale"] == 2.0 ** 20
-    assert ls["recommended_init_scale"] == 2.0 ** 19 == c.policy.loss_scaling.init_scale or \
-        c.policy.default_format != "fp16"
     assert ls["recommended_init_scale"] == 2.0 ** 19
+    if c.policy.loss_scaling.enabled:  # the policy's scale is the plan's
+        assert c.policy.loss_scaling.init_scale == ls["plan"]["recommended_init_scale"]
     assert ls["gradients"]["loss_gradient_excluded"] == 1.0
     assert "'small'" in ls["gradients"]["largest_in"]
     assert "loss's own gradient (1, FP32) left out" in ls["reason"]
@@ -110,8 +110,9 @@ def test_modules_the_plan_keeps_out_of_fp16_do_not_constrain_it(tmp_path):
     planned = uniform.for_plan(plan)
     assert planned.max_abs_grad == 2.0 ** -5 and planned.recommended_exponent == 19
     assert planned.uniform is uniform and planned.gradients.modules_not_fp16 == 1
-    d = planned.to_dict()
-    assert d["uniform_fp16"]["recommended_init_scale"] == 2.0 ** 11 and d["recommended_init_scale"] == 2.0 ** 19
+    d = uniform.to_dict(plan)  # audit.json's loss_scale: the uniform pass's, and the plan's inside it
+    assert d["recommended_init_scale"] == 2.0 ** 11 and d["plan"]["recommended_init_scale"] == 2.0 ** 19
+    assert d["gradients"]["basis"] == "uniform fp16" and d["plan"]["gradients"]["basis"] == "plan"
     # big in BF16 does not constrain the FP16 scale either
     bf16 = uniform.for_plan(SimpleNamespace(default_format=Format.FP16, layers={"big": LayerPlan(Format.BF16, "")}))
     assert bf16.recommended_exponent == 19
@@ -221,4 +222,23 @@ def test_gpt2_loss_scale_is_not_capped_by_dl_dl(tmp_path):
     k = _ceiling(expected)
     assert ls["max_no_overflow_scale"] == 2.0 ** k and ls["recommended_init_scale"] == 2.0 ** (k - 1)
     if c.policy.loss_scaling.enabled:
-        assert c.policy.loss_scaling.init_scale == ls["recommended_init_scale"]
+        assert c.policy.loss_scaling.init_scale == ls["plan"]["recommended_init_scale"]
+    else:
+        assert ls["plan"] is None
+
+
+def test_the_policy_takes_the_scale_of_the_plan(tmp_path):
+    """policy.json's loss_scaling.init_scale is re-derived for the plan: 'big' in FP32 leaves 2^19, not 2^11."""
+    from precision_audit.audit import _policy
+    from precision_audit.gpus import resolve_target
+    from precision_audit.planning.rules import Plan
+    from precision_audit.policy.schema import fingerprint
+
+    c = _audit(tmp_path, with_big=True)
+    keep = LayerPlan(Format.FP32, "kept in fp32")
+    plan = Plan(default_format=Format.FP16, default_reason="test", layers={"big": keep}, overrides={"big": keep})
+    fp, n = fingerprint(c.model)
+    policy = _policy(c.model, fp, n, resolve_target("h100"), plan, c.analysis)
+    assert policy.loss_scaling.enabled and policy.loss_scaling.init_scale == 2.0 ** 19
+    everything = Plan(default_format=Format.FP16, default_reason="test")
+    assert _policy(c.model, fp, n, resolve_target("h100"), everything, c.analysis).loss_scaling.init_scale == 2.0 ** 11

@@ -154,7 +154,9 @@ class LossScaleFinding:
     def recommended_scale(self) -> float | None:
         return None if self.recommended_exponent is None else math.ldexp(1.0, self.recommended_exponent)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, plan: Any = None) -> dict:
+        """audit.json's ``loss_scale``; with ``plan``, its ``plan`` key holds :meth:`for_plan`'s finding (null
+        when the plan runs no module in FP16: no loss scaling then)."""
         every_step = self.forward_overflow is not None
         return {
             "recommended_init_scale": self.recommended_scale,
@@ -180,12 +182,12 @@ class LossScaleFinding:
             "viable": self.viable,
             "reason": self.reason,
             "gradients": self.gradients.to_dict() if self.gradients else None,
-            "uniform_fp16": None if self.uniform is None else {
-                "recommended_init_scale": self.uniform.recommended_scale,
-                "max_abs_grad": self.uniform.max_abs_grad,
-                "reason": self.uniform.reason,
-                "gradients": self.uniform.gradients.to_dict() if self.uniform.gradients else None},
+            **({} if plan is None else {"plan": self._plan_dict(plan)}),
         }
+
+    def _plan_dict(self, plan: Any) -> dict | None:
+        found = self.for_plan(plan)
+        return None if found is self else found.to_dict()
 
 
 def recommend_fp16_loss_scale(layers: Iterable[LayerRecord], forward_overflow: str | None = None) -> LossScaleFinding:
