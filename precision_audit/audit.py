@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import __version__
+from .analysis.alignment import rank_alignment, tied_modules
 from .analysis.findings import Analysis, Budget, analyse
 from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import performance
@@ -218,10 +219,12 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
                   if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
         perf = performance(capture, target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
-                           sum(p.numel() for p in model.parameters() if p.requires_grad))
+                           sum(p.numel() for p in model.parameters() if p.requires_grad), tied=tied_modules(model))
         if mode == "cuda":
             say("timing misaligned GEMMs against their padded sizes on the GPU")
             _measure_gemms_on_gpu(capture, perf, target, device, formats)
+        alignment = rank_alignment({n: lp.alignment for n, lp in perf.layers.items()}, perf.step_time_s,
+                                   target.name, batch.describe())
         plan, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
         fp, n_modules = fingerprint(model)
         policy = _policy(model, fp, n_modules, target, plan, analysis)
@@ -279,6 +282,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
                    "note": "torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
                            "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"},
         # the uniform FP16 pass's scale, and in "plan" the one re-derived for the modules the plan runs in FP16
+        "alignment": alignment,
         "loss_scale": analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None,
         "layers": [layer_dict(L, plan, perf.layers.get(L.name), time_label) for L in analysis.layers],
         "plan": {

@@ -343,7 +343,8 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
     view["layer_times"] = [cost_times(L.get("cost"), all_formats) for L in layers]
     view["has_cost"] = any(L.get("cost") for L in layers)
     view["cost_gaps"] = sorted({L["cost_note"] for L in layers if not L.get("cost") and _is_gap(L.get("cost_note"))})
-    view["misaligned"] = misaligned_rows(layers)
+    view["misaligned"] = misaligned_rows(layers)  # audit.json files written before the ranked "alignment"
+    view["alignment"] = audit.get("alignment") if isinstance(audit.get("alignment"), Mapping) else None
     view["gemms"] = gemm_rows(layers)
     view["gemm_formats"] = [f for f in ["fp32", "tf32", *formats]
                             if any(f in r["times"] for r in view["gemms"])]
