@@ -195,3 +195,13 @@ def test_thresholds_collapse_what_costs_little():
     # 0.5 µs on a 1 s step is under 0.1% of it: collapsed even though it is over 0.1 µs
     r2 = rank_alignment({"a": [op("N", 1001, 5e-7)]}, {"bf16": 1.0}, "H100")
     assert not r2["findings"] and r2["collapsed"]["count"] == 1
+
+
+def test_audit_json_with_the_ranking_validates_against_the_schema(audits):
+    from precision_audit.report.schemas import validate_audit
+
+    for tie in (False, True):
+        _, out = audits[tie]
+        doc = json.loads((out / "audit.json").read_text())
+        validate_audit(doc)
+        assert doc["alignment"]["findings"][0]["size"] == 50257

@@ -242,3 +242,17 @@ def test_the_policy_takes_the_scale_of_the_plan(tmp_path):
     assert policy.loss_scaling.enabled and policy.loss_scaling.init_scale == 2.0 ** 19
     everything = Plan(default_format=Format.FP16, default_reason="test")
     assert _policy(c.model, fp, n, resolve_target("h100"), everything, c.analysis).loss_scaling.init_scale == 2.0 ** 11
+
+
+def test_loss_scale_with_its_plan_validates_against_the_schema(tmp_path):
+    import json
+
+    from precision_audit.report.audit_json import clean
+    from precision_audit.report.schemas import validate_audit
+
+    c = _audit(tmp_path, with_big=True)
+    doc = json.loads(json.dumps(c.audit))
+    plan = SimpleNamespace(default_format=Format.FP16, layers={"big": LayerPlan(Format.FP32, "kept in fp32")})
+    doc["loss_scale"] = clean(c.analysis.loss_scale.to_dict(plan))
+    validate_audit(doc)
+    assert doc["loss_scale"]["plan"]["gradients"]["modules_not_fp16"] == 1
