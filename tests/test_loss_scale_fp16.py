@@ -263,4 +263,4 @@ def test_loss_scale_with_its_plan_validates_against_the_schema(tmp_path):
     text = summary_text(doc)
     assert "fp16 loss scale: 2.05e+03" in text and "for the plan: 5.24e+05" in text, text
     section = render_html(doc, c.policy.to_dict()).split('id="loss-scale"')[1].split("</section>")[0]
-    assert "For the plan" in section and "left out" in section and "'big'" in section
+    assert "For the plan" in section and "left out" in section and "&#39;big&#39; output gradient" in section
