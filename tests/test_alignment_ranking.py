@@ -205,3 +205,14 @@ def test_audit_json_with_the_ranking_validates_against_the_schema(audits):
         doc = json.loads((out / "audit.json").read_text())
         validate_audit(doc)
         assert doc["alignment"]["findings"][0]["size"] == 50257
+
+
+def test_ranked_in_the_format_the_records_were_estimated_in():
+    """An audit of fp16 alone on a BF16-capable target ranks in fp16, not in a format with no records."""
+    op = {"op": "mm", "kind": "matmul", "gemm": {"m": 8, "n": 8, "k": 8, "batch": 1}, "calls": 1,
+          "dims": [{"format": "fp16", "dim": "N", "name": "N", "size": 1001, "required_multiple": 8,
+                    "suggested_size": 1008, "efficient_multiple": 64, "efficient_size": 1024, "aligned": False,
+                    "set_by_batch": False}],
+          "estimated_time_lost_s": {"fp16": 5e-6}, "estimated_batch_time_lost_s": {"fp16": 0.0}}
+    r = rank_alignment({"a": [op]}, {"fp32": 2e-3, "bf16": 1e-3, "fp16": 1e-3}, "H100")
+    assert r["format"] == "fp16" and [f["size"] for f in r["findings"]] == [1001]

@@ -159,8 +159,11 @@ def tied_modules(model) -> dict[str, list[str]]:
     return {n: v for n, v in out.items() if v}
 
 
-def _rank_format(step_time_s: dict[str, float]) -> str | None:
-    return next((f.value for f in RANK_FORMATS if step_time_s.get(f.value)), None)
+def _rank_format(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[str, float]) -> str | None:
+    """The first of :data:`RANK_FORMATS` that the records were estimated in (the audited formats, and TF32)."""
+    present = {f for records in layers.values() for op in records or []
+               for f in (op.get("estimated_time_lost_s") or {})}
+    return next((f.value for f in RANK_FORMATS if f.value in present and step_time_s.get(f.value)), None)
 
 
 def rank_alignment(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[str, float], target_name: str,
@@ -172,7 +175,7 @@ def rank_alignment(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[st
     The same dimension (kind, size, suggested size) in several modules is one finding: its modules listed and
     its time summed. A GEMM with several misaligned model dimensions splits its time lost evenly among them.
     """
-    fmt = _rank_format(step_time_s)
+    fmt = _rank_format(layers, step_time_s)
     step = step_time_s.get(fmt) if fmt else None
     groups: dict[tuple, dict[str, Any]] = {}
     batch_sizes: dict[int, dict[str, Any]] = {}
