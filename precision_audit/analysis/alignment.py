@@ -209,7 +209,8 @@ def rank_alignment(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[st
                     gr = groups[key] = {
                         "dim": d["dim"], "name": d.get("name"), "size": d["size"],
                         "suggested_size": d.get("suggested_size"), "efficient_size": d.get("efficient_size"),
-                        "required_multiple": d.get("required_multiple"), "aligned": d.get("aligned"), "kind": op.get("kind"), "op": op.get("op"),
+                        "required_multiple": d.get("required_multiple"),
+                        "aligned": d.get("aligned"), "kind": op.get("kind"), "op": op.get("op"),
                         "gemm": op.get("gemm"), "modules": [], "ops": 0, "calls": 0,
                         "estimated_time_lost_s": 0.0, "advice": op.get("vocabulary_advice"),
                         "tied_to": [], "measured": op.get("measured"), "cost": d.get("cost"),
@@ -289,7 +290,8 @@ def _finding_text(gr: dict[str, Any], fmt: str | None) -> str:
            else f"{gr['size']} is aligned but below the efficient tier")
     if gr.get("efficient_size") and gr["efficient_size"] != gr["suggested_size"]:
         pad += f" ({gr['efficient_size']} on the efficient tier)"
-    text = f"{gr['dim']} = {gr['size']} ({gr['name']}) in {where}: {pad}; est. {lost * 1e6:.3g} µs per step{share} in {fmt}"
+    text = (f"{gr['dim']} = {gr['size']} ({gr['name']}) in {where}: {pad}; "
+            f"est. {lost * 1e6:.3g} µs per step{share} in {fmt}")
     if gr.get("tied_to"):
         text += (f"; its weight is the same Parameter as {', '.join(repr(t) for t in gr['tied_to'])} (tied): "
                  "pad that embedding's vocabulary and this dimension follows")

@@ -252,7 +252,8 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         reason = (f"{best:.1%} of gradients still flush to zero at the largest safe scale 2^{k_hi} "
                   f"(largest gradient {g:.3g}{_where(gradients)}); FP16 cannot hold this gradient range, use BF16")
     else:
-        reason = (f"largest gradient {g:.3g}{_where(gradients)}: scales up to 2^{k_max} do not overflow (2^{k_hi} keeps one doubling of "
+        reason = (f"largest gradient {g:.3g}{_where(gradients)}: scales up to 2^{k_max} do not overflow "
+                  f"(2^{k_hi} keeps one doubling of "
                   f"headroom); from 2^{k_lo} the flushed share is within {UNDERFLOW_TOLERANCE:g} of its minimum "
                   f"({best:.2e}); unscaled, {unscaled['flushed']:.2%} of gradients flush to zero")
     return LossScaleFinding(
