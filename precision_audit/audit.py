@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from . import __version__
+from .analysis.alignment import rank_alignment, tied_modules
 from .analysis.findings import Analysis, Budget, analyse
-from .analysis.loss_scale import recommend_loss_scale
+from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import performance
 from .capture.compiled import KERNEL_CHOICES
 from .capture.compiled import resolve as resolve_kernels
@@ -309,7 +310,8 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         if Format.FP16 in formats:
             overflow = next((r.name for r in session.layers.values() if r.name and
                              r.activation.fractions(Format.FP16)["overflow"] > 0), None)
-            ls = recommend_loss_scale(session.grad_all, overflow)
+            # from the gradients the uniform FP16 pass computes in FP16, not dL/dL (analysis/loss_scale.py)
+            ls = recommend_fp16_loss_scale(session.layers.values(), overflow)
             fp16_scale = ls.recommended_scale or 1.0
         for f in formats:
             say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
@@ -331,10 +333,12 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
                   if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
         perf = performance(capture, target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
-                           sum(p.numel() for p in model.parameters() if p.requires_grad))
+                           sum(p.numel() for p in model.parameters() if p.requires_grad), tied=tied_modules(model))
         if mode == "cuda":
             say("timing misaligned GEMMs against their padded sizes on the GPU")
             _measure_gemms_on_gpu(capture, perf, target, device, formats)
+        alignment = rank_alignment({n: lp.alignment for n, lp in perf.layers.items()}, perf.step_time_s,
+                                   target.name, batch.describe())
         plan, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
         fp, n_modules = fingerprint(model)
         policy = _policy(model, fp, n_modules, target, plan, analysis)
@@ -391,7 +395,9 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         "traces": {"dir": "tb", "files": sorted(f"tb/{k}" for k in capture.traces),
                    "note": "torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
                            "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"},
-        "loss_scale": analysis.loss_scale.to_dict() if analysis.loss_scale else None,
+        # the uniform FP16 pass's scale, and in "plan" the one re-derived for the modules the plan runs in FP16
+        "alignment": alignment,
+        "loss_scale": analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None,
         "layers": [layer_dict(L, plan, perf.layers.get(L.name), time_label) for L in analysis.layers],
         "plan": {
             "source": plan.source,
@@ -415,7 +421,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
 
 def _policy(model, fp: str, n_modules: int, target: GpuSpec, plan: Plan, analysis: Analysis) -> Policy:
     uses_fp16 = plan.default_format is Format.FP16 or any(o.format is Format.FP16 for o in plan.overrides.values())
-    ls = analysis.loss_scale
+    ls = analysis.loss_scale.for_plan(plan) if analysis.loss_scale else None
     init = ls.recommended_scale if (ls and ls.recommended_scale) else 65536.0
     error_pins = any("local error" in o.reason for o in plan.overrides.values())
     tf32 = target.supports("tf32") and not error_pins

@@ -91,3 +91,29 @@ def layer_cost(ops: ModuleOps, fmt: Format, target: GpuSpec, activation_bytes: i
     gt = sum(gemm_time(g, fmt, target) * c for g, c in ops.gemms.values())
     ob = ops.other_elements * activation_bytes
     return LayerCost(ops.gemm_flops, gt, ob, bytes_time(ob, target))
+
+
+def alignment_time_lost(g: GemmOp, fmt: Format, target: GpuSpec, batch_dims: frozenset[str]) -> tuple[float, float]:
+    """Forward time of ``g`` lost to misalignment in ``fmt``, split as (dimensions set by the batch, the
+    model's own). The penalty is all-or-nothing (any misaligned dimension costs it), so neither padding alone
+    need save anything; each side gets the average of what it saves padded first and padded second (the
+    two-party Shapley split), and the two add up to what padding both saves (docs/report.md "Alignment")."""
+    from .alignment import REQUIRED_MULTIPLE, pad_only
+
+    req = REQUIRED_MULTIPLE.get(fmt)
+    if req is None:
+        return 0.0, 0.0
+    bad = {d for d, _, s in g.dims if s > 1 and s % req}
+    if not bad:
+        return 0.0, 0.0
+    t = gemm_time(g, fmt, target)
+    batch, model = bad & batch_dims, bad - batch_dims
+    t_all = gemm_time(pad_only(g, fmt, bad), fmt, target)
+    if not batch or not model:
+        lost = max(0.0, t - t_all)
+        return (lost, 0.0) if batch else (0.0, lost)
+    t_batch = gemm_time(pad_only(g, fmt, batch), fmt, target)  # only the batch's padded
+    t_model = gemm_time(pad_only(g, fmt, model), fmt, target)  # only the model's padded
+    lost_batch = ((t - t_batch) + (t_model - t_all)) / 2
+    lost_model = ((t - t_model) + (t_batch - t_all)) / 2
+    return max(0.0, lost_batch), max(0.0, lost_model)

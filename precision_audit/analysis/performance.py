@@ -13,8 +13,9 @@ from ..capture.ops import GemmOp
 from ..capture.records import CaptureResult, LayerRecord
 from ..formats import Format
 from ..gpus import GpuSpec
-from .alignment import REQUIRED_MULTIPLE, check_dims, padded, vocabulary_advice
-from .cost import ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, gemm_time, layer_cost
+from .alignment import REQUIRED_MULTIPLE, batch_set_dims, check_dims, padded, vocabulary_advice
+from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time,
+                   layer_cost)
 
 # Formats the cost model estimates when the target supports them (TF32 needs no numerics run to be timed).
 ESTIMATED_FORMATS = (Format.FP32, Format.TF32, Format.BF16, Format.FP16)
@@ -50,11 +51,13 @@ def _element_bytes(rec: LayerRecord, fmt: Format) -> int:
     return 4 if "float32" in fs.output_dtypes else ELEMENT_BYTES[fmt]
 
 
-def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...]) -> list[dict[str, Any]]:
+def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...],
+                   tied_to: list[str] | None = None) -> list[dict[str, Any]]:
     efficient_tier = target.compute_capability >= (8, 0)
     low = [f for f in formats if f in REQUIRED_MULTIPLE]
     out = []
     for g, calls in rec.ops.gemms.values():
+        by_batch = batch_set_dims(g)
         dims_out = []
         for fmt in low:
             for d in check_dims(g, fmt, efficient_tier):
@@ -65,23 +68,32 @@ def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...
                     "required_multiple": d.required_multiple, "suggested_size": d.suggested_size,
                     "efficient_multiple": d.efficient_multiple, "efficient_size": d.efficient_size,
                     "aligned": d.aligned, "tile_waste_pct": d.tile_waste_pct,
+                    "set_by_batch": d.dim in by_batch,
                     "cost": ("misaligned: slower kernels (cost, not eligibility)" if not d.aligned
                              else f"aligned to {d.required_multiple} but not to {d.efficient_multiple}: "
                                   "below the most efficient tier"),
                 })
         if not dims_out:
             continue
-        time_s, padded_s = {}, {}
+        time_s, padded_s, lost_model, lost_batch = {}, {}, {}, {}
         for fmt in low:
             time_s[fmt.value] = gemm_time(g, fmt, target) * calls * STEP_OVER_FORWARD
             padded_s[fmt.value] = gemm_time(padded(g, fmt), fmt, target) * calls * STEP_OVER_FORWARD
+            lb, lm = alignment_time_lost(g, fmt, target, by_batch)
+            lost_batch[fmt.value] = lb * calls * STEP_OVER_FORWARD
+            lost_model[fmt.value] = lm * calls * STEP_OVER_FORWARD
         finding: dict[str, Any] = {
             "op": g.op, "kind": g.kind, "gemm": {"m": g.m, "n": g.n, "k": g.k, "batch": g.batch},
             "calls": calls, "flops": g.flops * calls, "dims": dims_out,
             "estimated_step_time_s": time_s, "estimated_padded_step_time_s": padded_s,
             "estimated_saving_s": {k: max(0.0, time_s[k] - padded_s[k]) for k in time_s},
+            # the saving split: the model's own dimensions (ranked in audit.json's alignment) and those set by
+            # the sample batch (one batch-size note); analysis/alignment.py
+            "estimated_time_lost_s": lost_model, "estimated_batch_time_lost_s": lost_batch,
             "note": g.note,
         }
+        if tied_to:
+            finding["tied_to"] = list(tied_to)
         big_out = [d for d in dims_out if d["dim"] == "N" and d["size"] >= VOCAB_MIN]
         if big_out and (rec.type == "Linear" and ("head" in rec.name or "lm" in rec.name or "vocab" in rec.name
                                                   or big_out[0]["size"] >= 30000)):
@@ -90,29 +102,37 @@ def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...
     return out
 
 
-def _embedding_findings(rec: LayerRecord, module_shapes: dict[str, list[int]], target: GpuSpec) -> list[dict[str, Any]]:
+def _embedding_findings(rec: LayerRecord, module_shapes: dict[str, list[int]], target: GpuSpec,
+                        tied_to: list[str] | None = None) -> list[dict[str, Any]]:
     shape = module_shapes.get(rec.name)
     if rec.type != "Embedding" or not shape or shape[0] < VOCAB_MIN or shape[0] % 64 == 0:
         return []
+    heads = [t for t in tied_to or [] if t not in module_shapes]  # sharers that are not embeddings themselves
+    cost = (f"the embedding itself is a gather; its weight is the same Parameter as "
+            f"{', '.join(repr(t) for t in heads)} (a tied LM head), whose GEMM has this vocabulary as N" if heads else
+            "the embedding itself is a gather (no Tensor Core work) and no LM head shares its weight (untied): "
+            "its size costs no GEMM time here")
     return [{"op": "embedding", "kind": "embedding", "gemm": None, "calls": rec.calls, "flops": 0,
              "dims": [{"format": "any", "dim": "V", "name": "vocabulary (num_embeddings)", "size": shape[0],
                        "required_multiple": 8, "suggested_size": -(-shape[0] // 8) * 8, "efficient_multiple": 64,
                        "efficient_size": -(-shape[0] // 64) * 64, "aligned": shape[0] % 8 == 0,
-                       "tile_waste_pct": None,
-                       "cost": "the embedding itself is a gather; its size matters for a tied LM head"}],
+                       "tile_waste_pct": None, "set_by_batch": False, "cost": cost}],
              "estimated_step_time_s": None, "estimated_padded_step_time_s": None, "estimated_saving_s": None,
-             "note": None, "vocabulary_advice": vocabulary_advice(shape[0])}]
+             "note": None, "vocabulary_advice": vocabulary_advice(shape[0]),
+             **({"tied_to": list(tied_to)} if tied_to else {})}]
 
 
 def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str, list[int]],
-                param_bytes: int, trainable_params: int) -> Performance:
+                param_bytes: int, trainable_params: int, tied: dict[str, list[str]] | None = None) -> Performance:
     """Alignment findings, per-layer and per-format cost estimates, and memory, from a finished capture."""
     est_formats = tuple(f for f in ESTIMATED_FORMATS if target.supports(f.value))
     layers: dict[str, LayerPerformance] = {}
     totals = {f.value: 0.0 for f in est_formats}
     for rec in capture.layers:
-        alignment = _gemm_findings(rec, target, capture.formats + ((Format.TF32,) if target.supports("tf32") else ()))
-        alignment += _embedding_findings(rec, module_shapes, target)
+        tied_to = (tied or {}).get(rec.name)
+        alignment = _gemm_findings(rec, target, capture.formats + ((Format.TF32,) if target.supports("tf32") else ()),
+                                   tied_to)
+        alignment += _embedding_findings(rec, module_shapes, target, tied_to)
         cost = None
         if rec.ops.gemms or rec.ops.other_elements:
             per_fmt = {}

@@ -71,6 +71,14 @@ class LayerRecord:
     activation: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # fp32 reference outputs
     grad_output: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # fp32 reference dL/dy
     grad_param: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)  # fp32 reference dL/dW
+    # For the FP16 loss scale (analysis/loss_scale.py, docs/report.md "Loss scale"): the reference dL/dy of
+    # each output slot this module produced itself (not a child's output passed on, not the loss), the
+    # modules that took that output as an input, the loss's own gradient dL/dL (kept apart), and dL/dW of
+    # parameters it shares with a module they were attributed to first (tied weights).
+    grad_output_own: dict[int, MagnitudeHistogram] = field(default_factory=dict)
+    output_consumers: dict[int, set[str]] = field(default_factory=dict)
+    grad_loss: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)
+    grad_param_tied: MagnitudeHistogram = field(default_factory=MagnitudeHistogram)
     formats: dict[Format, FormatLayerStats] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     ops: ModuleOps = field(default_factory=ModuleOps)  # what it computed itself in the FP32 forward

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,6 +154,10 @@ class CaptureSession:
         self._clone_cache: dict[int, tuple[int, torch.Tensor]] = {}
         self._stat_cache: dict[tuple, tuple[torch.Tensor, Any]] = {}  # per pass; holds the tensors it keys
         self._loss_scale = 1.0
+        # reference pass: which module produced each output tensor (by identity and version), and the loss
+        # tensor, so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
+        self._producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = {}
+        self._loss_ref: Any = None
         self._hooks: list[Any] = []
         self._exit = contextlib.ExitStack()
         self._policy: CudaAutocastPolicy | None = None
@@ -217,6 +222,8 @@ class CaptureSession:
         self._pre_rng.clear()
         self._call_index.clear()
         self._stat_cache.clear()
+        self._producers.clear()
+        self._loss_ref = None
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
@@ -344,6 +351,7 @@ class CaptureSession:
                                  if self._phase == "ref" else None)
             if self._phase == "ref":
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
+                self._note_consumer(m, args, kwargs)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._phase == "profile":
@@ -370,8 +378,28 @@ class CaptureSession:
         else:
             self._post_format(m, rec, ys)
         for i, y in enumerate(ys):
+            own = self._phase == "ref" and self._note_producer(rec, i, y)
             if y.requires_grad:
-                y.register_hook(self._grad_hook(rec, {f: d[i] for f, d in diffs.items()}))
+                y.register_hook(self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
+                                                (i, weakref.ref(y)) if own else None))
+
+    def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
+        """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a
+        container passing its child's output on), True for a new tensor (an in-place op makes a new version)."""
+        key = (id(y), y._version)
+        hit = self._producers.get(key)
+        if hit is not None and hit[0]() is y:
+            return False
+        self._producers[key] = (weakref.ref(y), rec, slot)
+        return True
+
+    def _note_consumer(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Record ``m`` as a consumer of every input tensor another module produced in this pass."""
+        name = self._names.get(id(m), "?")
+        for x in float_tensors((args, kwargs)):
+            hit = self._producers.get((id(x), x._version))
+            if hit is not None and hit[0]() is x:
+                hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
     def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng) -> dict:
         rec.calls += 1
@@ -469,7 +497,9 @@ class CaptureSession:
         for r, y in zip(refs[k], ys):
             fs.accumulated.merge(self._error_of(r, y))
 
-    def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, torch.Tensor] | None = None):
+    def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, torch.Tensor] | None = None,
+                   own: tuple[int, Any] | None = None):
+        """``own``: (slot, weak reference to the tensor) when ``rec`` produced it (reference pass)."""
         phase = self._phase
 
         def hook(g: torch.Tensor) -> None:
@@ -480,6 +510,14 @@ class CaptureSession:
                 h.update(g)
                 rec.grad_output.merge(h)
                 self.grad_all.merge(h)
+                if own is not None:
+                    y, loss = own[1](), self._loss_ref() if self._loss_ref is not None else None
+                    # dL/dL of the loss itself (or of a scalar the model returns as a loss): not a gradient
+                    # any format computes, so it is kept apart from the loss-scale statistics
+                    if (y is not None and y is loss) or (rec.name == "" and g.numel() == 1):
+                        rec.grad_loss.merge(h)
+                    else:
+                        rec.grad_output_own.setdefault(own[0], MagnitudeHistogram()).merge(h)
                 for f, d in (diffs or {}).items():
                     impact = float((g.detach().double() * d.double()).sum())
                     fs = rec.formats[f]
@@ -499,6 +537,7 @@ class CaptureSession:
                 with self._fp32_reference_switches(), counter, self._same_draws(None), _OpTracker(self):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
+                self._loss_ref = weakref.ref(loss)
             else:
                 with counter, self._autocast(fmt), self._same_draws(fmt):
                     out = self._forward(self.model)
@@ -553,14 +592,17 @@ class CaptureSession:
         finally:
             self._phase = None
         # parameter gradients, attributed to the module that owns each parameter
-        seen: set[int] = set()
+        seen: dict[int, MagnitudeHistogram] = {}
         for mid, rec in self.layers.items():
             for p in self._modules[mid].parameters(recurse=False):
-                if id(p) in seen or p.grad is None:
+                if p.grad is None:
                     continue
-                seen.add(id(p))
+                if id(p) in seen:  # a tied weight: counted once, and known to this module too
+                    rec.grad_param_tied.merge(seen[id(p)])
+                    continue
                 h = MagnitudeHistogram()
                 h.update(p.grad)
+                seen[id(p)] = h
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
         self._clone_cache.clear()

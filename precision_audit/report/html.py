@@ -343,13 +343,16 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
     view["layer_times"] = [cost_times(L.get("cost"), all_formats) for L in layers]
     view["has_cost"] = any(L.get("cost") for L in layers)
     view["cost_gaps"] = sorted({L["cost_note"] for L in layers if not L.get("cost") and _is_gap(L.get("cost_note"))})
-    view["misaligned"] = misaligned_rows(layers)
+    view["misaligned"] = misaligned_rows(layers)  # audit.json files written before the ranked "alignment"
     view["gemms"] = gemm_rows(layers)
     view["gemm_formats"] = [f for f in ["fp32", "tf32", *formats]
                             if any(f in r["times"] for r in view["gemms"])]
     view["has_alignment"] = any(isinstance(L.get("alignment"), (list, tuple, Mapping)) for L in layers)
     view["alignment_gaps"] = sorted({L["alignment_note"] for L in layers
                                      if L.get("alignment") is None and _is_gap(L.get("alignment_note"))})
+    # the ranking (analysis/alignment.py) is derived from the per-layer records: shown only alongside them
+    ranked = audit.get("alignment")
+    view["alignment"] = ranked if isinstance(ranked, Mapping) and view["has_alignment"] else None
 
     # Charts.
     view["chart_error"] = _error_chart(names, layers, formats) if layers else None

@@ -178,9 +178,33 @@ def summary_text(audit: dict[str, Any]) -> str:
     ls = audit.get("loss_scale")
     if ls:
         lines.append(f"  fp16 loss scale: {fmt_num(ls['recommended_init_scale'])} — {ls['reason']}")
+        lp = ls.get("plan")
+        if lp and (lp.get("recommended_init_scale"), lp.get("reason")) != (ls["recommended_init_scale"], ls["reason"]):
+            lines.append(f"    for the plan: {fmt_num(lp['recommended_init_scale'])} — {lp['reason']}")
+    lines += alignment_lines(audit.get("alignment"))
     lines.append(f"  plan: {audit['verdict']['message']}")
     for name, o in audit["plan"]["overrides"].items():
         lines.append(f"    {name or '(model)'} -> {o['format']}: {o['reason']}")
     if audit.get("mode") == "emulated":
         lines.append("  numerics emulated on the CPU (no GPU); see the report's warnings")
     return "\n".join(lines)
+
+
+TERMINAL_ALIGNMENT_ROWS = 5  # findings printed; the report lists them all
+
+
+def alignment_lines(al: dict[str, Any] | None) -> list[str]:
+    """The alignment findings, worst first, then the batch-size note once and the collapsed count."""
+    if not al or not (al.get("findings") or al.get("batch_note")):
+        return []
+    lines = [f"  alignment (ranked by {al.get('ranked_by') or 'estimated time lost per step'}):"]
+    found = al.get("findings") or []
+    for f in found[:TERMINAL_ALIGNMENT_ROWS]:
+        lines.append(f"    {f['rank']}. {f['text']}")
+    if len(found) > TERMINAL_ALIGNMENT_ROWS:
+        lines.append(f"    ... {len(found) - TERMINAL_ALIGNMENT_ROWS} more in report.html")
+    if al.get("batch_note"):
+        lines.append(f"    batch size: {al['batch_note']['text']}")
+    if (al.get("collapsed") or {}).get("text"):
+        lines.append(f"    {al['collapsed']['text']}")
+    return lines
