@@ -161,6 +161,7 @@ def check_exports(policy: Policy, policy_path: str, folder: Path) -> None:
     assert left == [], f"running the exported code created {left}"
     ds = json.loads(export_policy(policy, "deepspeed", policy_path=policy_path).text)["precision_audit"]
     assert (ds["model"], ds["target"], ds["exported_from"]) == (policy.model_class, policy.target_name, policy_path)
+    assert ds["modules"] == {n: {"format": o.format, "reason": o.reason} for n, o in policy.modules.items() if n}
 
 
 # ---------------------------------------------------------------------------------------------------------------

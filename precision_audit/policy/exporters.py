@@ -7,7 +7,8 @@ Each target gets its nearest equivalent, and says what it cannot express:
 - ``deepspeed``: a DeepSpeed config fragment (JSON): the ``fp16`` block (``initial_scale_power`` =
   log2(init_scale), ``loss_scale_window`` = growth_interval, ``hysteresis`` 2, ``min_loss_scale`` 1) or the
   ``bf16`` block; what it cannot express is listed under the top-level key ``precision_audit`` (DeepSpeed
-  ignores unknown top-level keys; its ``fp16``/``bf16`` blocks reject unknown ones).
+  ignores unknown top-level keys; its ``fp16``/``bf16`` blocks reject unknown ones), with the per-module
+  formats as data (``precision_audit.modules``: name -> format and reason).
 - ``lightning``: Python to paste: the Trainer's ``precision`` (or a ``MixedPrecision`` plugin carrying the
   policy's GradScaler settings) plus ``apply_precision_policy(model)`` for the per-module part.
 - ``accelerate``: Python: ``Accelerator(mixed_precision=..., kwargs_handlers=[GradScalerKwargs(...)])`` plus
@@ -153,6 +154,7 @@ def _deepspeed(policy: Policy, policy_path: str) -> Export:
         "exported_from": policy_path,
         "model": policy.model_class,
         "target": policy.target_name,
+        "modules": {n: {"format": f, "reason": r} for n, f, r in plan.overrides},
         "merge": "merge the fp16/bf16 blocks above into your DeepSpeed config",
         "cannot_express": notes,
     }
