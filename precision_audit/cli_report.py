@@ -81,13 +81,20 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return d
 
 
-def _huge_int(doc: Any, path: tuple = ()) -> tuple[tuple, int] | None:
-    """The first integer too large for a float (the report computes with floats), and its path."""
-    stack = [(path, doc)]
+#: Deeper nesting than this is refused (an audit is about 8 deep; the report renders unknown fields recursively).
+MAX_DEPTH = 64
+
+
+def _out_of_range(doc: Any) -> tuple[tuple, str, str] | None:
+    """The first value the report cannot handle that JSON Schema does not see: an integer too large for a float
+    (the report computes with floats), or nesting deeper than :data:`MAX_DEPTH`. (path, problem, found)."""
+    stack: list[tuple[tuple, Any]] = [((), doc)]
     while stack:
         p, v = stack.pop()
         if isinstance(v, int) and not isinstance(v, bool) and abs(v) > sys.float_info.max:
-            return p, v
+            return p, "is an integer too large for a float", f"{len(str(abs(v)))} digits"
+        if isinstance(v, (dict, list)) and len(p) >= MAX_DEPTH:
+            return p, f"is nested more than {MAX_DEPTH} levels deep", _json_type(v)
         if isinstance(v, dict):
             stack += [(p + (k,), x) for k, x in reversed(v.items())]
         elif isinstance(v, list):
@@ -119,8 +126,9 @@ def _read_json(path: Path, what: str) -> Any:
         raise ReportInputError(f"{what} {path} is not valid: {e.problem}", hint=e.hint) from None
     except RecursionError:
         raise ReportInputError(f"{what} {path} is nested too deeply to be an audit", hint=_FIX) from None
-    except ValueError as e:  # an integer literal of more than 4300 digits
-        raise ReportInputError(f"{what} {path} is not valid: {e}", hint=_FIX) from None
+    except ValueError as e:  # an integer literal of more than 4300 digits (sys.get_int_max_str_digits())
+        raise ReportInputError(f"{what} {path} is not valid: it holds an integer literal too long to read",
+                               found=str(e).split(":")[-1].split(";")[0].strip()[:80], hint=_FIX) from None
 
 
 def _schema_error(path: Path, error: Any) -> ReportInputError:
@@ -168,10 +176,10 @@ def check_audit(audit: Any, path: Path | str = "audit.json") -> dict[str, Any]:
         raise ReportInputError(f"{path} has audit.json version {_short(audit.get('version'))}, which this "
                                "precision-audit cannot render", expected=f"version {AUDIT_VERSION}",
                                hint="render it with the precision-audit version that wrote it")
-    huge = _huge_int(audit)
-    if huge is not None:
-        raise ReportInputError(f"{path} is not a valid audit.json: field '{_field(huge[0])}' is an integer too "
-                               "large for a float", found=f"{len(str(abs(huge[1])))} digits", hint=_FIX)
+    bad = _out_of_range(audit)
+    if bad is not None:
+        raise ReportInputError(f"{path} is not a valid audit.json: field '{_field(bad[0])}' {bad[1]}",
+                               found=bad[2], hint=_FIX)
     import jsonschema
 
     error = jsonschema.exceptions.best_match(_validator("audit").iter_errors(audit))
