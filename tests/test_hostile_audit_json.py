@@ -318,3 +318,9 @@ def test_mutations_of_a_real_audit_are_refused_or_render(tmp_path, good_audit):
 @pytest.mark.slow
 def test_many_mutations_of_a_real_audit_are_refused_or_render(tmp_path, good_audit):
     _check_mutants(good_audit, tmp_path, seed=1, n=3000)
+
+
+def test_catalogue_ids_are_unique():
+    """These cases count toward the bad-input catalogue (tests/test_bad_inputs.py); ids must not repeat."""
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 10

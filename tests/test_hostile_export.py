@@ -226,6 +226,8 @@ CASES = [
     Case("export-model-class-not-a-string", _doc(model__class=["Net"]), ("model.class", "wrong type", "array"), 2),
     Case("export-reason-not-a-string", _doc(modules={"fc": {"format": "fp32", "reason": 7}}),
          ("modules.fc.reason", "wrong type"), 2),
+    Case("export-integer-of-5000-digits", {**_doc(), "loss_scaling": {**_doc()["loss_scaling"], "growth_interval": 1}},
+         ("integer literal too long", "5001 digits"), 2),
     Case("export-unknown-format-in-module", _doc(modules={"fc": {"format": "fp32\nimport os"}}),
          ("modules.fc.format", "unknown format", "'fp32\\nimport os'"), 2),
 ]
@@ -233,7 +235,10 @@ CASES = [
 
 def _run_cli(case: Case, d: Path) -> tuple[int, str, str, Path, Path]:
     policy_path = d / case.path_name
-    policy_path.write_text(json.dumps(case.policy, indent=1), encoding="utf-8")
+    text = json.dumps(case.policy, indent=1)
+    if case.id == "export-integer-of-5000-digits":
+        text = text.replace('"growth_interval": 1', '"growth_interval": 1' + "0" * 5000)
+    policy_path.write_text(text, encoding="utf-8")
     out = d / "exported.txt"
     err, so = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(so):
@@ -325,3 +330,9 @@ def test_the_checks_catch_an_injection(tmp_path, monkeypatch):
     path.write_text(export_policy(policy, "fsdp").text, encoding="utf-8")
     proc, left = run_exported([path])
     assert left == ["pwned"] and proc.stdout.startswith("pwned\n")
+
+
+def test_catalogue_ids_are_unique():
+    """These cases count toward the bad-input catalogue (tests/test_bad_inputs.py); ids must not repeat."""
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 10

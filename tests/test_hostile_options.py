@@ -142,3 +142,9 @@ def test_verify_exits_1_when_the_policy_arm_fails_and_0_when_it_trains(tmp_path)
     assert code == 0, stdout
     assert doc["policy_safe"] is True and doc["policy_failure"] is None
     assert "unsafe" not in stdout
+
+
+def test_catalogue_ids_are_unique():
+    """These cases count toward the bad-input catalogue (tests/test_bad_inputs.py); ids must not repeat."""
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 10
