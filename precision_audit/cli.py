@@ -67,6 +67,8 @@ def _budget(text: str):
         if not sep or k not in keys:
             raise OptionError(f"cannot read --budget {text!r}", expected="KEY=VALUE pairs, e.g. loss=0.01,output=0.05",
                               choices=keys)
+        if keys[k] in values:  # which one was meant? Taking the last one silently would hide a typo
+            raise OptionError(f"--budget gives {k} twice: {text!r}", hint=f"give {k}=VALUE once")
         try:
             values[keys[k]] = float(v)
         except ValueError:
@@ -75,6 +77,30 @@ def _budget(text: str):
         return Budget(**values)
     except ValueError as e:
         raise OptionError(f"bad --budget: {e}") from None
+
+
+#: The most timed steps ``--steps`` accepts (each one runs every format under torch.profiler; README.md).
+MAX_STEPS = 1000
+
+
+def _steps(text: str) -> int:
+    """``--steps``: a whole number, at most :data:`MAX_STEPS` (a negative one is refused by the audit's options)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{n} is more than the maximum, {MAX_STEPS} (each timed step runs "
+                                         "every format under the profiler; a few are enough)")
+    return n
+
+
+def _target(text: str) -> str:
+    """``--target``: a GPU name; an empty one is refused rather than read as "the default"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the GPU name is empty: name one (e.g. h100; see `precision-audit targets`), "
+                                         "or leave --target out for the detected GPU")
+    return text
 
 
 def _audit_parser() -> argparse.ArgumentParser:
@@ -87,24 +113,24 @@ def _audit_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", metavar="BATCH", help="sample batch written by torch.save (default: sample_batch() "
                    "from the model file)")
     p.add_argument("--out", metavar="DIR", default="audit", help="output folder (default: ./audit)")
-    p.add_argument("--target", metavar="GPU", help="target GPU name or alias, e.g. h100, a100, v100 "
+    p.add_argument("--target", metavar="GPU", type=_target, help="target GPU name or alias, e.g. h100, a100, v100 "
                    "(default: the detected GPU, else H100 SXM; see `precision-audit targets`)")
     p.add_argument("--formats", metavar="LIST", help="comma-separated formats to audit (default: fp16,bf16 where "
                    "the target supports them)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="where the model runs (default: cuda when available)")
     p.add_argument("--emulate", action="store_true", help="emulate CUDA numerics on the CPU even when a GPU is present")
-    p.add_argument("--steps", type=int, default=1, metavar="N",
+    p.add_argument("--steps", type=_steps, default=1, metavar="N",
                    help="timed steps per format under torch.profiler, after one warm-up step; traces go to "
-                        "DIR/tb (default: 1; 0 skips timing and traces)")
+                        f"DIR/tb (default: 1; 0 skips timing and traces; at most {MAX_STEPS})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for every pass (default: 0)")
     p.add_argument("--kernels", choices=("auto", "python", "compiled"), default="auto",
                    help="emulated mode's autocast kernels: compiled C++ ones are bit-identical and faster on small "
                         "models, and must be built once with `precision-audit build-kernels`; auto uses them when "
                         "built (default: auto)")
     p.add_argument("--budget", metavar="SPEC", default="",
-                   help="error budget, e.g. loss=0.01,output=0.05 (defaults: relative loss change 0.01, "
-                        "output relative L2 error 0.05)")
+                   help="error budget, e.g. loss=0.01,output=0.05, each key at most once (defaults: relative "
+                        "loss change 0.01, output relative L2 error 0.05)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--verbose", "-v", action="store_true", help="log details to stderr")

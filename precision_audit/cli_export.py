@@ -3,6 +3,8 @@
 Writes the nearest equivalent of a policy for another training stack (:mod:`precision_audit.policy.exporters`)
 to stdout, or atomically to ``--out``; what the target cannot express is written into the output (a
 ``precision_audit`` key in JSON, a comment block in Python) and, with ``--out``, also listed on stderr.
+Strings from the policy reach the output and stderr only through ``repr()`` / ``json.dumps``
+(:mod:`precision_audit.policy.exporters`), so a crafted policy cannot inject code or terminal escapes.
 User errors raise :class:`~precision_audit.errors.AuditError` subclasses (exit code 2 in the CLI).
 """
 
@@ -47,6 +49,14 @@ def export_main(argv: list[str]) -> int:
         for note in result.notes:
             print(f"  note: {note}", file=sys.stderr)
     else:
-        sys.stdout.write(result.text)
-        sys.stdout.flush()
+        # The same UTF-8 bytes as --out writes, whatever the locale's encoding (the text holds no surrogate:
+        # the policy's strings reach it through repr() or json.dumps).
+        out = getattr(sys.stdout, "buffer", None)
+        if out is not None:
+            sys.stdout.flush()
+            out.write(result.text.encode("utf-8"))
+            out.flush()
+        else:  # a replaced sys.stdout (tests' capture, an IDE console) takes text
+            sys.stdout.write(result.text)
+            sys.stdout.flush()
     return 0

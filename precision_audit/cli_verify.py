@@ -3,6 +3,10 @@
 Trains N steps from the same initial weights under FP32, under the policy, and under plain BF16 and FP16
 autocast, and records the loss curves and the final divergence in ``--out``/audit.json (section ``verify``)
 and its report; without an audit.json there, it writes ``--out``/verify.json.
+
+Exit codes: 0 the policy arm trained; 1 it failed ("unsafe": it raised, or its final loss or parameters
+are not finite; the plain BF16 / FP16 arms failing is only reported); 2 a user error, including an
+audit.json in ``--out`` that is not valid (checked before training).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import AuditError, OptionError
+from .errors import OptionError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +49,14 @@ def verify_main(argv: list[str]) -> int:
     opts = VerifyOptions(steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed)
     out = Path(args.out)
     check_out_dir(out)
+    # The audit the result is added to is validated before any training (docs/report.md): a tampered
+    # audit.json is refused with exit 2 naming the field, not found broken after the run.
+    audit_path = out / "audit.json"
+    audit = pol = None
+    if audit_path.is_file():
+        from .cli_report import load_audit, load_policy_beside
+
+        audit, pol = load_audit(audit_path), load_policy_beside(audit_path)
     policy = load_policy(args.policy)
     model, source = load_model(args.model)
     policy.check_model(model)
@@ -67,20 +79,12 @@ def verify_main(argv: list[str]) -> int:
     with Progress(quiet=args.quiet) as progress:
         result = run_verify(model, forward, loss_of, policy, device, mode, opts, progress)
     result["loss"] = {"kind": str(box["spec"].kind), "description": box["spec"].description} if box else None
-    audit_path = out / "audit.json"
     files: dict[str, str] = {}
-    if audit_path.is_file():
-        try:
-            audit = json.loads(audit_path.read_text())
-        except json.JSONDecodeError as e:
-            raise AuditError(f"{audit_path} is not valid JSON", found=str(e),
-                             hint="re-run the audit, or pass another --out") from e
+    if audit is not None:
         audit["verify"] = result
         files["audit.json"] = json.dumps(audit, indent=1, allow_nan=False) + "\n"
         from .report.html import render_html
 
-        policy_path = out / "policy.json"
-        pol = json.loads(policy_path.read_text()) if policy_path.is_file() else None
         files["report.html"] = render_html(audit, pol)
     else:
         files["verify.json"] = json.dumps(result, indent=1, allow_nan=False) + "\n"
@@ -93,4 +97,8 @@ def verify_main(argv: list[str]) -> int:
               + (f"  skipped steps {result['skipped_steps'].get(arm, 0)}" if result["skipped_steps"].get(arm) else "")
               + (f"  FAILED: {result['errors'][arm]}" if arm in result["errors"] else ""))
     print(f"  wrote: {', '.join(str(f) for f in written)}")
+    if result["policy_failure"]:
+        # A failed policy arm is a result, not a crash: "unsafe", exit 1 (docs/report.md).
+        print(f"  unsafe: {result['policy_failure']}")
+        return 1
     return 0

@@ -26,6 +26,8 @@ from .tf32_switches import tf32_switches
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adam", "sgd")
+#: The most training steps per arm ``verify --steps`` accepts (README.md).
+MAX_STEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,10 @@ class VerifyOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise OptionError("--steps must be a whole number >= 1 for verify", found=repr(self.steps))
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or not 1 <= self.steps <= MAX_STEPS:
+            raise OptionError(f"--steps must be a whole number from 1 to {MAX_STEPS} for verify",
+                              found=repr(self.steps), hint="a short run shows whether the policy trains; "
+                              f"{MAX_STEPS} steps per arm is the most verify runs")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise OptionError("--lr must be a positive number", found=repr(self.lr))
         if self.optimizer not in OPTIMIZERS:
@@ -116,7 +120,23 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
         num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(final_params[arm], final_params["fp32"]))
         den = sum(float(b.double().pow(2).sum()) for b in final_params["fp32"])
         out["param_rel_change"][arm] = math.sqrt(num / den) if den and math.isfinite(num) else None
+    out["policy_failure"] = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
+    out["policy_safe"] = out["policy_failure"] is None
     return out
+
+
+def policy_failure(errors: dict[str, str], curve: list[float | None], params: list[torch.Tensor]) -> str | None:
+    """Why the policy arm failed, or None when it trained: it raised, its loss went non-finite at the end, or its
+    final parameters are not finite. ``precision-audit verify`` then exits 1, "unsafe" (docs/report.md); the
+    plain BF16 / FP16 arms failing is what a policy is for, and is only reported."""
+    if "policy" in errors:
+        return f"the policy arm raised {errors['policy']}"
+    if not curve or curve[-1] is None:
+        bad = sum(v is None for v in curve)
+        return f"the policy arm's final loss is not finite ({bad} of {len(curve)} step(s) non-finite)"
+    if any(not bool(torch.isfinite(p).all()) for p in params):
+        return "the policy arm's parameters are not finite after training"
+    return None
 
 
 @contextlib.contextmanager

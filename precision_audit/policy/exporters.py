@@ -7,7 +7,8 @@ Each target gets its nearest equivalent, and says what it cannot express:
 - ``deepspeed``: a DeepSpeed config fragment (JSON): the ``fp16`` block (``initial_scale_power`` =
   log2(init_scale), ``loss_scale_window`` = growth_interval, ``hysteresis`` 2, ``min_loss_scale`` 1) or the
   ``bf16`` block; what it cannot express is listed under the top-level key ``precision_audit`` (DeepSpeed
-  ignores unknown top-level keys; its ``fp16``/``bf16`` blocks reject unknown ones).
+  ignores unknown top-level keys; its ``fp16``/``bf16`` blocks reject unknown ones), with the per-module
+  formats as data (``precision_audit.modules``: name -> format and reason).
 - ``lightning``: Python to paste: the Trainer's ``precision`` (or a ``MixedPrecision`` plugin carrying the
   policy's GradScaler settings) plus ``apply_precision_policy(model)`` for the per-module part.
 - ``accelerate``: Python: ``Accelerator(mixed_precision=..., kwargs_handlers=[GradScalerKwargs(...)])`` plus
@@ -22,6 +23,13 @@ Example::
     from precision_audit.policy.exporters import export_policy
     out = export_policy(load_policy("audit/policy.json"), "deepspeed")
     print(out.text); print(out.notes)
+
+Text from the policy is untrusted (policy.json may be hand-edited or crafted; docs/policy.md, "Exporting to
+other stacks"). Every string from it -- the model class, the target name, module names, reasons, and the
+policy path -- reaches the output only as ``repr()`` (a Python string literal, in code or in a comment),
+or through ``json.dumps`` in JSON; never raw. So a policy cannot add a line, a statement or an encoding
+declaration to the generated file: its syntax tree is the same for any strings of the same shape
+(tests/test_hostile_export.py).
 """
 
 from __future__ import annotations
@@ -68,7 +76,7 @@ def _plan(policy: Policy) -> _Plan:
 
 
 def _listing(overrides: tuple[tuple[str, str, str], ...], limit: int = 20) -> str:
-    parts = [f"{n} -> {f}" + (f" ({r})" if r else "") for n, f, r in overrides[:limit]]
+    parts = [f"{n!r} -> {f}" + (f" ({r!r})" if r else "") for n, f, r in overrides[:limit]]
     more = f"; and {len(overrides) - limit} more" if len(overrides) > limit else ""
     return "; ".join(parts) + more
 
@@ -80,7 +88,8 @@ def _common_notes(policy: Policy, plan: _Plan) -> list[str]:
                      "needs torchao.float8 or Transformer Engine)")
     fp8 = [n for n, f, _ in plan.overrides if f in _FP8]
     if fp8:
-        notes.append(f"fp8 modules have no equivalent here and are left in the default format: {', '.join(fp8)}")
+        notes.append(f"fp8 modules have no equivalent here and are left in the default format: "
+                     f"{', '.join(map(repr, fp8))}")
     return notes
 
 
@@ -145,6 +154,7 @@ def _deepspeed(policy: Policy, policy_path: str) -> Export:
         "exported_from": policy_path,
         "model": policy.model_class,
         "target": policy.target_name,
+        "modules": {n: {"format": f, "reason": r} for n, f, r in plan.overrides},
         "merge": "merge the fp16/bf16 blocks above into your DeepSpeed config",
         "cannot_express": notes,
     }
@@ -153,14 +163,24 @@ def _deepspeed(policy: Policy, policy_path: str) -> Export:
 
 # -- Python snippets ---------------------------------------------------------------------------------------
 
+def _comment(text: str) -> str:
+    """``text`` made safe for a ``#`` comment: every character that is not printable (line breaks of any
+    kind, control and format characters, surrogates) is written as its escape, so the comment stays one line.
+    The notes are built from fixed text and ``repr()`` of the policy's strings, for which this changes nothing."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _header(policy: Policy, plan: _Plan, target: str, policy_path: str, notes: list[str]) -> list[str]:
-    lines = [f"# {target} settings for {policy.model_class}, exported by precision-audit from {policy_path}",
-             f"# (target GPU {policy.target_name}; whole model {plan.whole}; "
-             f"{len(plan.overrides)} per-module override(s)).", "#"]
+    # The first two lines hold no text from the policy: Python reads an encoding declaration there (PEP 263).
+    lines = [f"# {target} settings exported by precision-audit (precision-audit export --to {target.lower()}).",
+             "# Strings from the policy are shown as Python literals.",
+             _comment(f"# Model class {policy.model_class!r}, policy {policy_path!r}, target GPU "
+                      f"{policy.target_name!r}; whole model {plan.whole}; {len(plan.overrides)} per-module "
+                      "override(s)."), "#"]
     if notes:
         lines.append(f"# What {target} cannot express by itself:")
         for n in notes:
-            lines.append(f"#  - {n}")
+            lines.append(_comment(f"#  - {n}"))
     else:
         lines.append(f"# {target} expresses this policy fully.")
     return lines
@@ -179,15 +199,20 @@ def _scaler_args(policy: Policy) -> str:
 
 
 def _apply_function(plan: _Plan, when: str) -> list[str]:
-    what = _listing(plan.overrides, limit=8) if plan.overrides else "none in this policy"
+    # The overrides are listed in comments (repr of each name and reason), never in the docstring: a
+    # string literal inside a docstring could close it.
+    listed = [_comment(f"#   {n!r} -> {f}" + (f" ({r!r})" if r else "")) for n, f, r in plan.overrides[:8]]
+    if len(plan.overrides) > 8:
+        listed.append(f"#   and {len(plan.overrides) - 8} more")
     return ["", "",
+            "# The modules the policy overrides:" if plan.overrides else "# The policy overrides no module.",
+            *listed,
             "def apply_precision_policy(model: torch.nn.Module):",
             '    """The per-module part of the policy, for the network the policy was made for.',
             "",
             f"    When: {when}.",
-            "    Puts each module the policy overrides in its format inside the whole-model autocast (and checks",
-            "    the model's fingerprint). Keep the returned handle; handle.remove() undoes it.",
-            f"    Overrides: {what}",
+            "    Puts each module the policy overrides (listed above) in its format inside the whole-model",
+            "    autocast (and checks the model's fingerprint). Keep the returned handle; handle.remove() undoes it.",
             '    """',
             "    return POLICY.apply(model)"]
 
@@ -265,7 +290,7 @@ def _fsdp(policy: Policy, policy_path: str) -> Export:
     tf32_mods = [n for n, f, _ in plan.overrides if f == "tf32"]
     if tf32_mods:
         notes.append(f"TF32 is a global switch, not an FSDP setting: these tf32 modules run in fp32: "
-                     f"{', '.join(tf32_mods)}")
+                     f"{', '.join(map(repr, tf32_mods))}")
     if whole == "bf16" and ls.enabled:
         notes.append("the policy enables loss scaling (for its fp16 modules): use the ShardedGradScaler below")
     module_formats = [(n, f) for n, f, _ in plan.overrides if f not in _FP8]

@@ -44,6 +44,9 @@ def parse_policy(text: str, source: str = "policy") -> Policy:
                           hint="fix the JSON syntax there, or regenerate the policy with precision-audit") from None
     except RecursionError:
         raise PolicyError(f"{source} is nested too deeply to be a policy") from None
+    except ValueError as e:  # an integer literal of more than 4300 digits (sys.get_int_max_str_digits())
+        raise PolicyError(f"{source} holds an integer literal too long to read",
+                          found=str(e).split(":")[-1].split(";")[0].strip()[:80]) from None
     except PolicyError as e:
         raise PolicyError(f"{source}: {e.problem}", hint=e.hint) from None
     return Policy.from_dict(doc)

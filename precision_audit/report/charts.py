@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -418,7 +419,7 @@ def time_by_layer(names: Sequence[str], times: dict[str, list[float | None]], ch
     vals = [v for s in times.values() for v in s if v is not None and v > 0]
     lo = math.floor(math.log10(min(vals))) if vals else -6
     hi = math.ceil(math.log10(max(vals))) if vals else -3
-    hi = max(hi, lo + 1)
+    hi = max(min(hi, 308), lo + 1)  # 10.0 ** 309 overflows; a time near 1.8e308 s is drawn at the top
     n = len(names)
     fr = _Frame(-0.5, max(n - 0.5, 0.5), lo, hi)
     out = _open(chart_id, f"{label.capitalize()} per layer per format",
@@ -474,6 +475,10 @@ def loss_curves(curves: dict[str, list[float | None]], chart_id: str = "chart-ve
     """
     vals = [v for s in curves.values() for v in s if v is not None]
     lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
+    # A loss near +-1.8e308 (a schema-valid audit.json may hold one) is drawn at the frame's edge: keeping the
+    # frame within +-max/16 keeps hi - lo, the ticks' (hi - lo) * 5 and every coordinate finite.
+    lim = sys.float_info.max / 16
+    lo, hi = min(max(lo, -lim), lim), min(max(hi, -lim), lim)
     pad = (hi - lo) * 0.08 or max(abs(hi) * 0.05, 1e-6)
     lo, hi = lo - pad, hi + pad
     n = max((len(s) for s in curves.values()), default=1)

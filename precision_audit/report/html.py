@@ -92,13 +92,18 @@ def fmt_pct(x: Any) -> str:
         return "—"
     if x == 0:
         return "0%"
+    if abs(x) > 1e300:  # x * 100 would overflow to inf: shift the decimal exponent instead
+        mantissa, _, exp = f"{x:.1e}".partition("e")
+        return f"{mantissa}e+{int(exp) + 2}%"
     if x < 1e-4:
         return f"{x * 100:.1e}%"
     return f"{x * 100:.2f}%"
 
 
 def fmt_db(x: Any) -> str:
-    return "∞" if x is None else f"{x:.1f} dB"
+    if x is None:
+        return "∞"
+    return f"{x:.1f} dB" if abs(x) < 1e5 else f"{x:.2e} dB"  # 1e308 dB (a hand-edited file) in 9 characters
 
 
 def fmt_seconds(x: Any) -> str:
@@ -130,8 +135,8 @@ def fmt_scale(x: Any) -> str:
         return "—"
     if x == 1:
         return "1 (none)"
-    if x > 0 and math.log2(x).is_integer():
-        return f"2^{int(math.log2(x))} ({int(x):,})"
+    if x >= 1 and math.log2(x).is_integer():
+        return f"2^{int(math.log2(x))} ({int(x):,})" if x < 1e15 else f"2^{int(math.log2(x))}"
     return fmt_num(x)
 
 
@@ -429,7 +434,10 @@ def speedup(audit: Mapping[str, Any], f: str) -> float | None:
     summary = audit.get("summary") or {}
     ref = ((summary.get("fp32") or {}).get("step_time") or {}).get("estimated_s")
     mine = ((summary.get(f) or {}).get("step_time") or {}).get("estimated_s")
-    return ref / mine if ref and mine else None
+    if not (ref and mine):
+        return None
+    ratio = ref / mine
+    return ratio if math.isfinite(ratio) else None  # 1e308 / 5e-324 overflows: no speedup to show
 
 
 def _override_groups(plan: Mapping[str, Any]) -> dict[str, list[str]]:
