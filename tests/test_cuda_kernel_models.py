@@ -220,9 +220,10 @@ def gemm_rows(X, W, dt):
     return [[lo(exact_dot(x, w), dt) for w in W] for x in X]
 
 
-def lstm_model(X, H, C, Wih, Whh, bih, bhh, dt):
-    """RNN.cpp LSTMCell on CUDA + RNN.cu lstm_cell_forward: (hy, cy, workspace)."""
-    ig_, hg_ = gemm_rows(X, Wih, dt), gemm_rows(H, Whh, dt)
+def lstm_model(X, H, C, Wih, Whh, bih, bhh, dt, gates=None):
+    """RNN.cpp LSTMCell on CUDA + RNN.cu lstm_cell_forward: (hy, cy, workspace). ``gates``: the two rounded
+    GEMM results when the caller computes them (default: exact sums, rounded once)."""
+    ig_, hg_ = gates or (gemm_rows(X, Wih, dt), gemm_rows(H, Whh, dt))
     hsz = len(C[0])
     hy, cy, ws = [], [], []
     for r in range(len(X)):
@@ -309,9 +310,9 @@ def test_lstm_cell_is_two_rounded_gemms_and_the_fused_kernel(cuda_policy, dt) ->
     assert_bitwise(bhh.grad.to(dt), tensor(g_b, dt), "lstm_cell db_hh (the same column sum)")
 
 
-def gru_model(X, H, Wih, Whh, bih, bhh, dt):
-    """RNN.cpp GRUCell on CUDA + RNN.cu gru_cell_forward: (hy, workspace)."""
-    ig_, hg_ = gemm_rows(X, Wih, dt), gemm_rows(H, Whh, dt)
+def gru_model(X, H, Wih, Whh, bih, bhh, dt, gates=None):
+    """RNN.cpp GRUCell on CUDA + RNN.cu gru_cell_forward: (hy, workspace); ``gates`` as for lstm_model."""
+    ig_, hg_ = gates or (gemm_rows(X, Wih, dt), gemm_rows(H, Whh, dt))
     hsz = len(H[0])
     hy, ws = [], []
     for r in range(len(X)):
@@ -514,3 +515,51 @@ def test_gemm_mode_uses_the_same_models(dt) -> None:
     assert_bitwise(v1.grad, tensor(g_v1, dt), "addr dvec1 under the dispatch mode")
     assert_bitwise(v2.grad, tensor(g_v2, dt), "addr dvec2 under the dispatch mode")
     assert_bitwise(S.grad, tensor(g_self, dt), "addr dself under the dispatch mode")
+
+
+@pytest.mark.parametrize("pad", [0, 1])
+@pytest.mark.parametrize("dt", DTYPES)
+def test_conv_tbc_adds_one_rounded_gemm_per_kernel_tap(cuda_policy, dt, pad) -> None:
+    """ConvolutionTBC.cpp: output = bias, then O.addmm_(I, W[k]) per tap (rounded each time); backward:
+    dInput accumulated tap by tap the same way, dWeight[k] one GEMM each, dBias summed over time then batch."""
+    gen = torch.Generator().manual_seed(13)
+    x, w, b = leaves(grid(7, 2, 5, gen=gen), grid(3, 5, 4, gen=gen), grid(4, gen=gen))
+    with emulated_autocast(dt):
+        y = torch.conv_tbc(x, w, b, pad)
+    G = grid(*y.shape, gen=gen).to(dt)
+    y.backward(G)
+    X, W, B, Gl = (as_list(t.detach().to(dt)) for t in (x, w, b, G))
+    ilen, batch, cin, kw, cout = 7, 2, 5, 3, 4
+    olen = ilen - kw + 1 + 2 * pad
+    out = [[[B[o] for o in range(cout)] for _ in range(batch)] for _ in range(olen)]
+    d_x = [[[0.0] * cin for _ in range(batch)] for _ in range(ilen)]
+    taps = []
+    for k in range(kw):
+        i_shift, o_shift = max(0, k - pad), max(0, pad - k)
+        t = min(ilen + pad - k, olen) - o_shift
+        if t > 0:
+            taps.append((k, i_shift, o_shift, t))
+    for k, i_shift, o_shift, t in taps:
+        for s in range(t):
+            for n in range(batch):
+                for o in range(cout):
+                    acc = math.fsum(X[i_shift + s][n][c] * W[k][c][o] for c in range(cin))
+                    out[o_shift + s][n][o] = lo(f32(out[o_shift + s][n][o] + acc), dt)
+                for c in range(cin):
+                    acc = math.fsum(Gl[o_shift + s][n][o] * W[k][c][o] for o in range(cout))
+                    d_x[i_shift + s][n][c] = lo(f32(d_x[i_shift + s][n][c] + acc), dt)
+    d_w = [[[0.0] * cout for _ in range(cin)] for _ in range(kw)]
+    for k, i_shift, o_shift, t in taps:  # dWeight[k].addmm_(I.t(), dO): one GEMM into zeros
+        for c in range(cin):
+            for o in range(cout):
+                d_w[k][c][o] = lo(math.fsum(X[i_shift + s][n][c] * Gl[o_shift + s][n][o]
+                                            for s in range(t) for n in range(batch)), dt)
+    per_batch = [[lo(math.fsum(Gl[s][n][o] for s in range(olen)), dt) for o in range(cout)] for n in range(batch)]
+    d_b = [lo(math.fsum(per_batch[n][o] for n in range(batch)), dt) for o in range(cout)]
+    assert_bitwise(y, tensor(out, dt), f"conv_tbc(pad={pad}) forward")
+    assert_bitwise(x.grad.to(dt), tensor(d_x, dt), "conv_tbc dinput")
+    assert_bitwise(w.grad.to(dt), tensor(d_w, dt), "conv_tbc dweight")
+    assert_bitwise(b.grad.to(dt), tensor(d_b, dt), "conv_tbc dbias")
+    single = torch.conv_tbc(x.detach().to(dt).double(), w.detach().to(dt).double(), b.detach().to(dt).double(),
+                            pad).to(dt)
+    assert_differs(single, tensor(out, dt), "conv_tbc")

@@ -10,6 +10,8 @@ a ``.to(dtype)`` here, every fp32 ("opmath"/"accscalar") step is an fp32 torch o
   ``mv`` (cuBLAS, fp32 accumulation, rounded) and ``maybe_multiply`` by alpha.
 - ``addbmm``: one ``addmm_`` per batch into the low-precision output (rounded after every batch).
   Backward: one ``bmm`` per input, then ``maybe_multiply`` by alpha.
+- ``conv_tbc``: the output starts as the bias and each kernel tap adds one ``addmm_`` into it (rounded each
+  time); its backward accumulates dInput the same way (ConvolutionTBC.cpp).
 - ``_thnn_fused_lstm_cell`` / ``_thnn_fused_gru_cell``: all gate math in fp32, hy/cy rounded once; the
   activated gates are saved rounded (the "workspace") and the backward kernel works from those rounded values.
   ``lstm_cell`` / ``gru_cell`` on CUDA are two rounded GEMMs (no bias) followed by the fused kernel.
@@ -100,6 +102,50 @@ def addbmm_backward(grad: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tens
     return (maybe_multiply(grad, beta),
             maybe_multiply(gemm(torch.bmm, dt, g, batch2.transpose(1, 2)), alpha),
             maybe_multiply(gemm(torch.bmm, dt, batch1.transpose(1, 2), g), alpha))
+
+
+# -------------------------------------------------------------------------------------------- conv_tbc
+
+
+def _tbc_taps(ilen: int, olen: int, kw: int, pad: int):
+    """ConvolutionTBC.cpp's loop: (kernel tap, input shift, output shift, length) of each addmm_."""
+    for k in range(kw):
+        i_shift, o_shift = max(0, k - pad), max(0, pad - k)
+        t = min(ilen + pad - k, olen) - o_shift
+        if t > 0:
+            yield k, i_shift, o_shift, t
+
+
+def _addmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out.addmm_(a, b)`` by cuBLAS: ``out + a @ b`` accumulated in fp32, rounded into ``out``."""
+    out.copy_(torch.addmm(out.float(), a.float(), b.float()).to(out.dtype))
+
+
+def conv_tbc_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, pad: int) -> torch.Tensor:
+    """``conv_tbc``: the output starts as the bias; each kernel tap adds one GEMM into it, rounded each time."""
+    ilen, batch, _ = x.shape
+    kw, _, planes = weight.shape
+    olen = ilen - kw + 1 + 2 * pad
+    out = bias.expand(olen, batch, planes).clone()
+    for k, i_shift, o_shift, t in _tbc_taps(ilen, olen, kw, pad):
+        _addmm_into(out.narrow(0, o_shift, t).view(t * batch, planes),
+                    x.narrow(0, i_shift, t).reshape(t * batch, -1), weight[k])
+    return out
+
+
+def conv_tbc_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, pad: int):
+    """``conv_tbc_backward``: dInput and dWeight accumulated tap by tap with addmm_, dBias = sum over time
+    (rounded), then over the batch (rounded)."""
+    ilen, batch, planes_in = x.shape
+    kw, _, planes = weight.shape
+    olen = grad.shape[0]
+    d_x, d_w = torch.zeros_like(x), torch.zeros_like(weight)
+    for k, i_shift, o_shift, t in _tbc_taps(ilen, olen, kw, pad):
+        d_o = grad.narrow(0, o_shift, t).reshape(t * batch, planes)
+        _addmm_into(d_x.narrow(0, i_shift, t).view(t * batch, planes_in), d_o, weight[k].t())
+        _addmm_into(d_w[k], x.narrow(0, i_shift, t).reshape(t * batch, planes_in).t(), d_o)
+    d_b = grad.float().sum(0).to(grad.dtype).float().sum(0).to(grad.dtype)
+    return d_x, d_w, d_b
 
 
 # ------------------------------------------------------------------------------------ fused RNN cells
@@ -217,6 +263,20 @@ class AddrFunction(torch.autograd.Function):
     def backward(ctx, grad):
         vec1, vec2 = ctx.saved_tensors
         return (*addr_backward(grad, vec1, vec2, ctx.beta, ctx.alpha), None, None)
+
+
+class ConvTBCFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, pad):
+        ctx.save_for_backward(x, weight)
+        ctx.pad = pad
+        return conv_tbc_forward(x, weight, bias, pad)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (*conv_tbc_backward(grad.contiguous(), x, weight, ctx.pad), None)
 
 
 class AddbmmFunction(torch.autograd.Function):

@@ -15,7 +15,7 @@ Two pieces, used together:
   is computed in fp32 and rounded.
 
 Ops whose CUDA kernels round more than once are modelled step by step: the elementwise ``addr`` kernel, the
-per-batch ``addbmm`` loop, the fused LSTM/GRU cell kernels (cuda_kernels.py), convolutions whose bias cuDNN
+per-batch ``addbmm`` loop, ``conv_tbc``'s per-tap loop, the fused LSTM/GRU cell kernels (cuda_kernels.py), convolutions whose bias cuDNN
 leaves to a separate add, and ``linear`` on a non-contiguous input (matmul, then add). docs/emulation.md
 lists what each op's CUDA kernel does and what is left (KNOWN_GAPS), stated in every emulated audit.
 """
@@ -99,8 +99,7 @@ def _dtype_arg(op: torch._ops.OpOverload) -> tuple[int | None, bool]:
 # some calls, which the kernel models: a convolution whose bias cuDNN leaves to a separate add (_CONV_OPS),
 # and linear on a non-contiguous input (matmul, then add).
 # Not here, because CUDA runs them as device-agnostic composites that round intermediate results:
-# linalg_vecdot ((x * y).sum(-1): every product rounded), conv_tbc (one in-place add per kernel tap into the
-# low-precision output), chain_matmul / linalg_multi_dot, prelu (its weight gradient rounds every product
+# linalg_vecdot ((x * y).sum(-1): every product rounded), chain_matmul / linalg_multi_dot, prelu (its weight gradient rounds every product
 # before the sum), and einsum with more than two operands or with a dimension summed out of one operand.
 # Nor the ops whose CUDA kernels are modelled step by step (_MODELLED_OPS, cuda_kernels.py).
 FP32_COMPUTE_OPS = frozenset({
@@ -495,6 +494,13 @@ def _simple_cell(nonlinearity):
     return cell
 
 
+@_modelled
+def _conv_tbc(dtype, x, weight, bias, pad):
+    if not _all_low(dtype, x, weight, bias) or x.dim() != 3 or weight.dim() != 3:
+        return NotImplemented
+    return cuda_kernels.ConvTBCFunction.apply(x, weight, bias, int(pad))
+
+
 def _cudnn_conv(transposed: bool):
     @_modelled
     def conv(dtype, x, w, *params):
@@ -513,6 +519,7 @@ def _cudnn_conv(transposed: bool):
 _MODELLED_OPS = {
     "addr": _addr,
     "addbmm": _addbmm,
+    "conv_tbc": _conv_tbc,
     "_thnn_fused_lstm_cell": _fused_lstm_cell,
     "_thnn_fused_gru_cell": _fused_gru_cell,
     "lstm_cell": _lstm_cell,
@@ -638,6 +645,8 @@ _MODELLED_FORWARD = {
     _aten.addbmm.default: cuda_kernels.addbmm_forward,
 }
 _CONV_MODE_OPS = {_aten.convolution.default: "convolution", _aten._convolution.default: "_convolution"}
+# In-place GEMMs (conv_tbc's one addmm_ per kernel tap): computed like their out-of-place forms, then stored.
+_INPLACE_GEMM_OPS = {_aten.addmm_.default: _aten.addmm.default, _aten.baddbmm_.default: _aten.baddbmm.default}
 # CPU flash attention: (index of the query argument, which outputs stay float32 on the native path).
 # Forward returns (out, logsumexp) with logsumexp in fp32; backward takes logsumexp (fp32) as an input.
 _SDPA_OPS = {
@@ -682,6 +691,12 @@ class LowPrecisionGemmMode(TorchDispatchMode):
             if dtype is not None:
                 self.gemm_calls += 1
                 return _MODELLED_FORWARD[func](*_bound(func, args, kwargs))
+        if func in _INPLACE_GEMM_OPS:
+            dtype = _low_dtype_of(args, kwargs)
+            if dtype is not None:
+                self.gemm_calls += 1
+                out = _INPLACE_GEMM_OPS[func](*_up(args, dtype), **_up(kwargs, dtype))
+                return args[0].copy_(out.to(dtype))
         if func in _GEMM_OPS:
             dtype = _low_dtype_of(args, kwargs)
             if dtype is not None:
