@@ -374,7 +374,8 @@ def test_entry_dtype_and_values_match_the_cuda_kernel_models(lists, list_name, i
     for kind, call in variants:
         out = run_emulated(e, low, call)
         for t in _tensors(out):
-            assert t.dtype == out_type, f"{e.id} ({kind}) under emulated {low} autocast gave {t.dtype}, CUDA gives {out_type}"
+            assert t.dtype == out_type, \
+                f"{e.id} ({kind}) under emulated {low} autocast gave {t.dtype}, CUDA gives {out_type}"
         results.append((kind, call, out))
     if len(results) == 2:
         _compare(results[0][2], results[1][2], f"{e.id}: torch.{e.op} vs Tensor.{e.op}")

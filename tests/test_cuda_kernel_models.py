@@ -3,16 +3,16 @@
 Each model here is written from the CUDA kernel's source, independently of capture/cuda_kernels.py: element by
 element in Python floats, every fp32 operation rounded to fp32 (``f32``) and every store to fp16/bf16 rounded to
 that format (``lo``). The inputs lie on a grid (multiples of 1/64, |x| <= 1: exact in fp16 and bf16, products
-of 14 bits that fp16 must round) so that every GEMM sum is exact in fp32 whatever its order: the only roundings left are the kernel's own, and the emulation must equal the
-model bit for bit, forward and backward. Each test also checks that one rounding (the emulation's old
-behaviour, or the CPU composite) would NOT give the model's values for these inputs, so it cannot pass by
-accident.
+of 14 bits that fp16 must round) so that every GEMM sum is exact in fp32 whatever its order: the only
+roundings left are the kernel's own, and the emulation must equal the model bit for bit, forward and
+backward. Each test also checks that one rounding (the emulation's old behaviour, or the CPU composite) would
+NOT give the model's values for these inputs, so it cannot pass by accident.
 
 Ops: addr (elementwise kernel in half/bf16 arithmetic), addbmm (one rounded addmm_ per batch), lstm_cell /
 gru_cell (two rounded GEMMs, fused fp32 gate kernel saving rounded gates), rnn_tanh/relu_cell (composite),
 cudnn convolution bias (a second rounded add; depthwise convs round once), linear on a non-contiguous input
-(matmul then add), einsum summing a dimension out of one operand first, prelu's weight gradient, and the same
-models on tensors already in fp16/bf16 under LowPrecisionGemmMode.
+(matmul then add), einsum summing a dimension out of one operand first, prelu's weight gradient, conv_tbc (one
+rounded addmm_ per kernel tap), and the same models on tensors already in fp16/bf16 under LowPrecisionGemmMode.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ Two pieces, used together:
   is computed in fp32 and rounded.
 
 Ops whose CUDA kernels round more than once are modelled step by step: the elementwise ``addr`` kernel, the
-per-batch ``addbmm`` loop, ``conv_tbc``'s per-tap loop, the fused LSTM/GRU cell kernels (cuda_kernels.py), convolutions whose bias cuDNN
-leaves to a separate add, and ``linear`` on a non-contiguous input (matmul, then add). docs/emulation.md
-lists what each op's CUDA kernel does and what is left (KNOWN_GAPS), stated in every emulated audit.
+per-batch ``addbmm`` loop, ``conv_tbc``'s per-tap loop, the fused LSTM/GRU cell kernels (cuda_kernels.py),
+convolutions whose bias cuDNN leaves to a separate add, and ``linear`` on a non-contiguous input (matmul, then
+add). docs/emulation.md lists what each op's CUDA kernel does and what is left (KNOWN_GAPS), which every
+emulated audit states.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def _dtype_arg(op: torch._ops.OpOverload) -> tuple[int | None, bool]:
 # some calls, which the kernel models: a convolution whose bias cuDNN leaves to a separate add (_CONV_OPS),
 # and linear on a non-contiguous input (matmul, then add).
 # Not here, because CUDA runs them as device-agnostic composites that round intermediate results:
-# linalg_vecdot ((x * y).sum(-1): every product rounded), chain_matmul / linalg_multi_dot, prelu (its weight gradient rounds every product
-# before the sum), and einsum with more than two operands or with a dimension summed out of one operand.
+# linalg_vecdot ((x * y).sum(-1): every product rounded), chain_matmul / linalg_multi_dot, prelu (its weight
+# gradient rounds every product before the sum), and einsum with more than two operands or with a dimension
+# summed out of one operand.
 # Nor the ops whose CUDA kernels are modelled step by step (_MODELLED_OPS, cuda_kernels.py).
 FP32_COMPUTE_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "linear", "matmul", "einsum",
@@ -375,7 +377,9 @@ def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
                 elif not (widest == lower and t.dtype == lower):
                     raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
             args, kwargs = _cast_tree(args, widest), {k: _cast_tree(v, widest) for k, v in kwargs.items()}
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            # All in the low dtype, dot/vdot and tensordot's mm are GEMMs: emulated like every other GEMM.
+            gemms = LowPrecisionGemmMode() if widest != torch.float32 else contextlib.nullcontext()
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU), gemms:
                 return op(*args, **kwargs)
         return kernel
     if policy is CastPolicy.BANNED:
