@@ -563,3 +563,17 @@ def test_conv_tbc_adds_one_rounded_gemm_per_kernel_tap(cuda_policy, dt, pad) -> 
     single = torch.conv_tbc(x.detach().to(dt).double(), w.detach().to(dt).double(), b.detach().to(dt).double(),
                             pad).to(dt)
     assert_differs(single, tensor(out, dt), "conv_tbc")
+
+
+def test_the_cost_model_sees_addbmm_and_conv_tbc_as_gemms() -> None:
+    """Both are GEMMs on a GPU (one per batch / kernel tap), whatever the CPU reference runs."""
+    from precision_audit.capture.ops import ModuleOps, record_op
+
+    ops = ModuleOps()
+    a, b, c = torch.randn(4, 3, 8), torch.randn(4, 8, 5), torch.randn(3, 5)
+    record_op(ops, torch.ops.aten.addbmm.default, (c, a, b), {}, torch.addbmm(c, a, b))
+    x, w, bias = torch.randn(7, 2, 5), torch.randn(3, 5, 4), torch.randn(4)
+    record_op(ops, torch.ops.aten.conv_tbc.default, (x, w, bias, 1), {}, torch.conv_tbc(x, w, bias, 1))
+    got = {g.op: (g.m, g.n, g.k, g.batch, g.flops) for g, _ in ops.gemms.values()}
+    assert got == {"addbmm": (3, 5, 8, 4, 2 * 4 * 3 * 5 * 8), "conv_tbc": (14, 4, 5, 3, 2 * 3 * 14 * 5 * 4)}
+    assert ops.other_ops == 0
