@@ -45,8 +45,8 @@ KNOWN_GAPS: tuple[str, ...] = (
     "split-K reduced-precision reductions (on by default on CUDA) are not emulated: partial sums are kept in fp32",
     "Tensor Core accumulation order and truncation are modelled as one fp32 sum, rounded once",
     "fp16-accumulation GEMM modes (allow_fp16_accumulation) are not emulated",
-    "scaled_dot_product_attention is computed in fp32 and rounded once; FlashAttention kernels also round the "
-    "softmax probabilities to fp16/bf16 before multiplying by V",
+    "scaled_dot_product_attention is computed in fp32 and rounded once, forward and backward; FlashAttention "
+    "kernels also round the softmax probabilities to fp16/bf16 before multiplying by V",
     "nn.LSTM / nn.GRU: CUDA lowers them to fp16 through cuDNN's own autocast wrapper (_cudnn_rnn_cast_reflatten, "
     "CUDA builds only); the emulation leaves them in fp32",
     "fp32 arithmetic inside kernels follows the CPU: CUDA's expf/tanhf/log and reduction orders differ from the "
@@ -56,6 +56,8 @@ KNOWN_GAPS: tuple[str, ...] = (
     "fp16 shapes that cuDNN's depthwise heuristic takes round the bias add separately",
     "the backward of addmm/addmv/baddbmm with alpha != 1 multiplies by alpha before rounding (CUDA rounds the "
     "GEMM, then the product)",
+    "matmul with a broadcast batch dimension: CUDA rounds the broadcast operand's gradient per batch before "
+    "summing it; the emulation sums in fp32 and rounds once",
     "RNN cells on tensors already in fp16/bf16 outside autocast run the CPU composite (rounding every gate "
     "op) instead of CUDA's fused cell kernels",
 )
