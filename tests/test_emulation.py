@@ -672,6 +672,8 @@ EXTRA_CASES = [
                                                                       I.x(5)), ("fp32",), "low", ("linear",)),
     Case("linear[4-D input, 2-D bias]", lambda I: F.linear(I.x(2, 2, 3, 4), I.x(5, 4), I.x(1, 5)), ("fp32",), "low",
          ("linear",)),
+    Case("linear[non-contiguous fp64 input, bias] (ineligible)", lambda I: F.linear(
+        I.x(3, 2, 4).transpose(0, 1), I.x(5, 4), I.x(5)), ("fp64",), "fp64", ("linear",)),
     Case("conv2d[depthwise, bias]", lambda I: F.conv2d(I.x(1, 4, 5, 5), I.x(8, 1, 3, 3), I.x(8), groups=4),
          ("fp32",), "low", ("conv2d",)),
     Case("_convolution[cudnn disabled, bias]", lambda I: _A._convolution.default(

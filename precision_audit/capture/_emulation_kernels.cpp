@@ -163,7 +163,9 @@ void gemm_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   bool conv = false;
   int64_t bias_index = -1;
   const IValue* bias_v = find_arg(schema, first, "bias", &bias_index);
-  if (bias_v && bias_v->isTensor() && bias_v->toTensor().defined()) {
+  if (bias_v && bias_v->isTensor() && bias_v->toTensor().defined() &&
+      bias_v->toTensor().scalar_type() != at::kDouble && first->isTensor() &&
+      first->toTensor().scalar_type() != at::kDouble) {  // fp64 is not autocast's: the op runs as called
     conv = is_conv_op(schema);
     if (conv ? cudnn_adds_bias(schema, first)
              : schema.name() == "aten::linear" && linear_adds_bias(first->toTensor(), bias_v->toTensor())) {

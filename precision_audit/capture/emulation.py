@@ -160,8 +160,8 @@ def _linear_adds_bias(x: torch.Tensor, bias: torch.Tensor) -> bool:
 def _without_bias(op: torch._ops.OpOverload, name: str, args: list, kwargs: dict):
     """(args, kwargs, bias) with the bias taken out when CUDA adds it in a second rounding, else bias None."""
     idx, bias = _arg(op, args, kwargs, "bias")
-    if not isinstance(bias, torch.Tensor):
-        return args, kwargs, None
+    if not isinstance(bias, torch.Tensor) or bias.dtype == torch.float64 or args[0].dtype == torch.float64:
+        return args, kwargs, None  # no bias, or fp64 (not autocast's: the op runs as called)
     if name in _CONV_OPS:
         if not _cudnn_adds_bias(op, name, args, kwargs):
             return args, kwargs, None
