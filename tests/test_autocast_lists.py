@@ -119,6 +119,13 @@ EXPECTED_OPS = {
 SKIPPED_BY_TORCH = {"einsum"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cuda_policy():
+    """One CudaAutocastPolicy for the module (it changes nothing outside emulated_autocast)."""
+    with CudaAutocastPolicy():
+        yield
+
+
 @pytest.fixture(scope="module")
 def lists():
     torch.manual_seed(0)
@@ -207,7 +214,7 @@ def _map(x: Any, fn) -> Any:
 
 
 def run_emulated(e: Entry, low: torch.dtype, call) -> Any:
-    with CudaAutocastPolicy(), emulated_autocast(low):
+    with emulated_autocast(low):
         return call(e.args, e.kwargs)
 
 
@@ -410,7 +417,7 @@ def test_entry_backward(lists, list_name, index, low) -> None:
     e = _entry(lists, list_name, index)
     kind, call = _variants(e)[0]
     args, leaves = _grad_leaves(e)
-    with CudaAutocastPolicy(), emulated_autocast(low):
+    with emulated_autocast(low):
         out = call(args, e.kwargs)
     outs = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
     if not outs or not leaves:
