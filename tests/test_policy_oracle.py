@@ -180,3 +180,17 @@ def test_the_probe_tells_policies_apart() -> None:
         assert rec["op"] == "norm.ScalarOpt_dtype" and rec["dtypes"] == ["torch.float16"], rec
     # and the probes are gone afterwards
     assert torch.softmax(torch.randn(3), 0).dtype == F32
+
+
+@pytest.mark.parametrize("name", ["_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "cudnn_convolution",
+                                  "cudnn_convolution_transpose"])
+@pytest.mark.parametrize("low", [pytest.param(FP16, id="fp16"), pytest.param(BF16, id="bf16")])
+def test_cuda_only_ops_run_under_the_emulation(name, low) -> None:
+    """No CPU kernel exists for them, but the emulation computes them (docs/emulation.md), in the low dtype."""
+    from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast
+
+    torch.manual_seed(0)
+    with CudaAutocastPolicy(), emulated_autocast(low):
+        out = CUDA_ONLY_RECIPES[name](Inputs((F32,), low))
+    outs = out if isinstance(out, tuple) else (out,)
+    assert all(t.dtype == low for t in outs), [t.dtype for t in outs]
