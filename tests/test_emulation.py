@@ -165,10 +165,14 @@ def test_conv2d_matches_low_precision_conv(cuda_policy, dt) -> None:
     with emulated_autocast(dt):
         y = conv(x)
     w, b = conv.weight.detach(), conv.bias.detach()
-    bound = gemm_bound(abs_terms(F.conv2d, dt, x, w, b, padding=1), 8 * 9 + 1)
-    native = F.conv2d(x.to(dt), w.to(dt), b.to(dt), padding=1)
+    # CUDA runs cuDNN without the bias and adds it in a second kernel: two roundings (emulation._CONV_OPS). The
+    # first rounding may differ by an ulp of the bias-less result, which the bias add can leave in place.
+    conv_only = exact_rounded(F.conv2d, dt, x, w, padding=1)
+    bound = gemm_bound(abs_terms(F.conv2d, dt, x, w, padding=1), 8 * 9) + ulp(conv_only, dt)
+    bias = b.to(dt).view(1, -1, 1, 1)
+    native = F.conv2d(x.to(dt), w.to(dt), None, padding=1) + bias
     assert_within_ulp(y, native, dt, "conv2d vs native CPU kernel", acc_bound=bound)
-    assert_within_ulp(y, exact_rounded(F.conv2d, dt, x, w, b, padding=1), dt, "conv2d vs float64 brute force",
+    assert_within_ulp(y, (conv_only.double() + bias.double()).to(dt), dt, "conv2d vs float64 brute force",
                       acc_bound=bound)
 
 
@@ -663,6 +667,18 @@ EXTRA_CASES = [
          ("fp32",), "low"),
     Case("linear[other-low] (cast to the autocast dtype)", lambda I: F.linear(I.x(3, 4), I.x(5, 4)), ("other",),
          "low", ("linear",)),
+    # where CUDA adds the bias in a second kernel, or not (emulation._without_bias; tests/test_cuda_kernel_models.py)
+    Case("linear[non-contiguous 3-D input, bias]", lambda I: F.linear(I.x(3, 2, 4).transpose(0, 1), I.x(5, 4),
+                                                                      I.x(5)), ("fp32",), "low", ("linear",)),
+    Case("linear[4-D input, 2-D bias]", lambda I: F.linear(I.x(2, 2, 3, 4), I.x(5, 4), I.x(1, 5)), ("fp32",), "low",
+         ("linear",)),
+    Case("linear[non-contiguous fp64 input, bias] (ineligible)", lambda I: F.linear(
+        I.x(3, 2, 4).transpose(0, 1), I.x(5, 4), I.x(5)), ("fp64",), "fp64", ("linear",)),
+    Case("conv2d[depthwise, bias]", lambda I: F.conv2d(I.x(1, 4, 5, 5), I.x(8, 1, 3, 3), I.x(8), groups=4),
+         ("fp32",), "low", ("conv2d",)),
+    Case("_convolution[cudnn disabled, bias]", lambda I: _A._convolution.default(
+        I.x(1, 2, 5, 5), I.x(3, 2, 3, 3), I.x(3), [1, 1], [0, 0], [1, 1], False, [0, 0], 1, False, False, False, True),
+        ("fp32",), "low", ("_convolution",)),
     Case("exp on fp64 (ineligible)", lambda I: torch.exp(I.x(4, 6)), ("fp64",), "fp64", ("exp",)),
     Case("softmax on fp64 (ineligible)", lambda I: F.softmax(I.x(4, 6), -1), ("fp64",), "fp64", ("softmax.int",)),
     # composites and explicit dtypes

@@ -5,7 +5,9 @@
 //
 //   gemm     (lower precision, computed in fp32): every eligible tensor argument is rounded to the autocast
 //            dtype and handed on as float32 (x.to(dtype).float(), or x.float() when it already has that dtype);
-//            the op runs with AutocastCPU excluded; float32 outputs are rounded to the autocast dtype.
+//            the op runs with AutocastCPU excluded; float32 outputs are rounded to the autocast dtype. Where
+//            CUDA adds the bias in a second kernel (a convolution cuDNN runs; linear on a non-contiguous input)
+//            the op runs without it and the bias is added afterwards, rounded again (emulation._without_bias).
 //   fp32     every eligible tensor argument is cast to float32; the op runs with AutocastCPU excluded.
 //   fp32_set_opt_dtype
 //            when the first argument is eligible and the op's `dtype` argument is None, it becomes float32.
@@ -103,16 +105,91 @@ void call_without_autocast(const c10::OperatorHandle& op, torch::jit::Stack* sta
   op.callBoxed(stack);
 }
 
+// The argument named `name`: its position in the schema (or -1) and its value on the stack.
+const IValue* find_arg(const c10::FunctionSchema& schema, torch::jit::Stack::iterator first, const char* name,
+                       int64_t* index) {
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].name() == name) {
+      *index = static_cast<int64_t>(i);
+      return &*(first + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  *index = -1;
+  return nullptr;
+}
+
+bool is_conv_op(const c10::FunctionSchema& schema) {
+  const std::string& n = schema.name();
+  return n == "aten::conv1d" || n == "aten::conv2d" || n == "aten::conv3d" || n == "aten::conv_transpose1d" ||
+         n == "aten::conv_transpose2d" || n == "aten::conv_transpose3d" || n == "aten::convolution" ||
+         n == "aten::_convolution";
+}
+
+// emulation._cudnn_adds_bias: cuDNN (bias added afterwards) unless disabled or the convolution is depthwise.
+bool cudnn_adds_bias(const c10::FunctionSchema& schema, torch::jit::Stack::iterator first) {
+  int64_t i = -1;
+  const IValue* enabled = find_arg(schema, first, "cudnn_enabled", &i);
+  if (!(enabled ? enabled->toBool() : at::globalContext().userEnabledCuDNN())) {
+    return false;
+  }
+  const IValue* transposed_v = find_arg(schema, first, "transposed", &i);
+  const bool transposed = transposed_v ? transposed_v->toBool()
+                                       : schema.name().rfind("aten::conv_transpose", 0) == 0;
+  const IValue* groups_v = find_arg(schema, first, "groups", &i);
+  const int64_t groups = groups_v ? groups_v->toInt() : 1;
+  const at::Tensor& x = first->toTensor();
+  const at::Tensor& w = (first + 1)->toTensor();
+  const bool depthwise = !transposed && groups > 1 && x.dim() >= 3 && x.dim() <= 5 && x.size(1) == groups &&
+                         w.size(0) % x.size(1) == 0;
+  return !depthwise;
+}
+
+// emulation._linear_adds_bias: at::linear falls back to matmul + add.
+bool linear_adds_bias(const at::Tensor& x, const at::Tensor& bias) {
+  if (x.dim() == 2) {
+    return false;
+  }
+  const bool fusable = (bias.dim() == 1 || bias.squeeze().dim() == 1) && bias.is_contiguous();
+  return !(fusable && x.is_contiguous());
+}
+
 void gemm_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(at::kCPU);
   map_arguments(op, stack, [dtype](const at::Tensor& t) { return round_up(t, dtype); });
+  const auto& schema = op.schema();
+  auto first = stack->end() - static_cast<std::ptrdiff_t>(schema.arguments().size());
+  at::Tensor bias;
+  bool conv = false;
+  int64_t bias_index = -1;
+  const IValue* bias_v = find_arg(schema, first, "bias", &bias_index);
+  if (bias_v && bias_v->isTensor() && bias_v->toTensor().defined() &&
+      bias_v->toTensor().scalar_type() != at::kDouble && first->isTensor() &&
+      first->toTensor().scalar_type() != at::kDouble) {  // fp64 is not autocast's: the op runs as called
+    conv = is_conv_op(schema);
+    if (conv ? cudnn_adds_bias(schema, first)
+             : schema.name() == "aten::linear" && linear_adds_bias(first->toTensor(), bias_v->toTensor())) {
+      bias = bias_v->toTensor();
+      *(first + static_cast<std::ptrdiff_t>(bias_index)) = IValue();
+    }
+  }
   call_without_autocast(op, stack);
-  const size_t n = op.schema().returns().size();
+  const size_t n = schema.returns().size();
   auto round_out = [dtype](const at::Tensor& t) {
     return t.defined() && t.scalar_type() == at::kFloat ? t.to(dtype) : t;
   };
   for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n); it != stack->end(); ++it) {
     *it = map_tensors(std::move(*it), round_out);
+  }
+  if (bias.defined()) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+    at::Tensor out = stack->back().toTensor();
+    if (conv) {
+      std::vector<int64_t> shape(static_cast<size_t>(out.dim()), 1);
+      shape[1] = -1;
+      bias = bias.reshape(shape);
+    }
+    stack->back() = IValue((out.to(at::kFloat) + bias).to(dtype));
   }
 }
 

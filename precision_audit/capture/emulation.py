@@ -14,8 +14,11 @@ Two pieces, used together:
   natively in their real dtype, so elementwise rounding is exact; an op with no Half/BFloat16 CPU kernel
   is computed in fp32 and rounded.
 
-Known gaps, stated in every emulated audit: split-K reduced-precision reductions (allowed by default on
-CUDA), fp16-accumulation modes, truncating Tensor Core accumulation, and the exact tile order of sums.
+Ops whose CUDA kernels round more than once are modelled step by step: the elementwise ``addr`` kernel, the
+per-batch ``addbmm`` loop, ``conv_tbc``'s per-tap loop, the fused LSTM/GRU cell kernels (cuda_kernels.py),
+convolutions whose bias cuDNN leaves to a separate add, and ``linear`` on a non-contiguous input (matmul, then
+add). docs/emulation.md lists what each op's CUDA kernel does and what is left (KNOWN_GAPS), which every
+emulated audit states.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from . import compiled
+from . import compiled, cuda_kernels
 from .autocast_policy import CUDA_POLICY, CastPolicy, check_registrations
 
 log = logging.getLogger(__name__)
@@ -41,10 +45,21 @@ KNOWN_GAPS: tuple[str, ...] = (
     "split-K reduced-precision reductions (on by default on CUDA) are not emulated: partial sums are kept in fp32",
     "Tensor Core accumulation order and truncation are modelled as one fp32 sum, rounded once",
     "fp16-accumulation GEMM modes (allow_fp16_accumulation) are not emulated",
-    "scaled_dot_product_attention is computed in fp32 and rounded once; FlashAttention kernels also round the "
-    "softmax probabilities to fp16/bf16 before multiplying by V",
+    "scaled_dot_product_attention is computed in fp32 and rounded once, forward and backward; FlashAttention "
+    "kernels also round the softmax probabilities to fp16/bf16 before multiplying by V",
     "nn.LSTM / nn.GRU: CUDA lowers them to fp16 through cuDNN's own autocast wrapper (_cudnn_rnn_cast_reflatten, "
     "CUDA builds only); the emulation leaves them in fp32",
+    "fp32 arithmetic inside kernels follows the CPU: CUDA's expf/tanhf/log and reduction orders differ from the "
+    "CPU's in the last fp32 bits, and nvcc fuses a*b+c into FMAs, which can move a rounded fp16/bf16 result "
+    "by one ulp",
+    "depthwise convolutions are modelled as CUDA's native depthwise kernel (bias added before the one rounding); "
+    "fp16 shapes that cuDNN's depthwise heuristic takes round the bias add separately",
+    "the backward of addmm/addmv/baddbmm with alpha != 1 multiplies by alpha before rounding (CUDA rounds the "
+    "GEMM, then the product)",
+    "matmul with a broadcast batch dimension: CUDA rounds the broadcast operand's gradient per batch before "
+    "summing it; the emulation sums in fp32 and rounds once",
+    "RNN cells on tensors already in fp16/bf16 outside autocast run the CPU composite (rounding every gate "
+    "op) instead of CUDA's fused cell kernels",
 )
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -83,16 +98,102 @@ def _dtype_arg(op: torch._ops.OpOverload) -> tuple[int | None, bool]:
 # accumulation, one rounding of the result). They are computed as fp32(round(inputs)) and rounded once,
 # which is exact up to summation order and ~100x faster on a CPU than native fp16/bf16 kernels. Autograd
 # sees the casts, so the gradient GEMMs run in fp32 and their results are rounded to the low-precision
-# dtype by the casts' backward, just as dgrad/wgrad outputs are on a GPU.
+# dtype by the casts' backward, just as dgrad/wgrad outputs are on a GPU. Two of them round twice on CUDA in
+# some calls, which the kernel models: a convolution whose bias cuDNN leaves to a separate add (_CONV_OPS),
+# and linear on a non-contiguous input (matmul, then add).
 # Not here, because CUDA runs them as device-agnostic composites that round intermediate results:
-# linalg_vecdot ((x * y).sum(-1): every product rounded), conv_tbc (one in-place add per kernel tap into the
-# low-precision output), chain_matmul / linalg_multi_dot, and einsum with more than two operands.
+# linalg_vecdot ((x * y).sum(-1): every product rounded), chain_matmul / linalg_multi_dot, prelu (its weight
+# gradient rounds every product before the sum), and einsum with more than two operands or with a dimension
+# summed out of one operand.
+# Nor the ops whose CUDA kernels are modelled step by step (_MODELLED_OPS, cuda_kernels.py).
 FP32_COMPUTE_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "addr", "linear", "matmul", "einsum",
+    "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "linear", "matmul", "einsum",
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d.input",
-    "conv_transpose3d.input", "convolution", "_convolution", "_convolution.deprecated", "cudnn_convolution",
-    "cudnn_convolution_transpose", "prelu", "scaled_dot_product_attention",
+    "conv_transpose3d.input", "convolution", "_convolution", "_convolution.deprecated",
+    "scaled_dot_product_attention",
 })
+
+# Convolution ops with a bias argument. CUDA's _convolution runs cuDNN without the bias and then adds it with
+# a separate elementwise kernel (`output.add_(reshape_bias(...))`), so the output is rounded twice; CUDA's own
+# depthwise kernels, and the non-cuDNN paths, add the bias inside the kernel (one rounding).
+_CONV_OPS = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input",
+    "convolution", "_convolution", "_convolution.deprecated",
+})
+
+
+def _arg(op: torch._ops.OpOverload, args: list, kwargs: dict, name: str, default: Any = None) -> tuple[int, Any]:
+    """(schema index, value) of a named argument, whether passed by position or keyword."""
+    for i, a in enumerate(op._schema.arguments):
+        if a.name == name:
+            if i < len(args):
+                return i, args[i]
+            if name in kwargs:
+                return i, kwargs[name]
+            return i, a.default_value if a.has_default_value() else default
+    return -1, default
+
+
+def _cudnn_adds_bias(op: torch._ops.OpOverload, name: str, args: list, kwargs: dict) -> bool:
+    """Would CUDA run this convolution through cuDNN, bias added afterwards? (Convolution.cpp select_conv_backend:
+    cuDNN unless disabled, or the conv is depthwise, which CUDA's native depthwise kernels take.)"""
+    _, enabled = _arg(op, args, kwargs, "cudnn_enabled", None)
+    if not (torch.backends.cudnn.enabled if enabled is None else bool(enabled)):
+        return False
+    _, transposed = _arg(op, args, kwargs, "transposed", name.startswith("conv_transpose"))
+    _, groups = _arg(op, args, kwargs, "groups", 1)
+    x, w = args[0], args[1]
+    depthwise = (not transposed and int(groups) > 1 and x.dim() in (3, 4, 5) and x.shape[1] == int(groups)
+                 and w.shape[0] % x.shape[1] == 0)
+    return not depthwise
+
+
+def _linear_adds_bias(x: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Does at::linear (Linear.cpp) fall back to matmul + add for this input? Only when the bias cannot be fused
+    into addmm: input not 2-D and either not contiguous or a bias that is not (squeezable to) 1-D contiguous."""
+    if x.dim() == 2:
+        return False
+    fusable = (bias.dim() == 1 or bias.squeeze().dim() == 1) and bias.is_contiguous()
+    return not (fusable and x.is_contiguous())
+
+
+def _without_bias(op: torch._ops.OpOverload, name: str, args: list, kwargs: dict):
+    """(args, kwargs, bias) with the bias taken out when CUDA adds it in a second rounding, else bias None."""
+    idx, bias = _arg(op, args, kwargs, "bias")
+    if not isinstance(bias, torch.Tensor) or bias.dtype == torch.float64 or args[0].dtype == torch.float64:
+        return args, kwargs, None  # no bias, or fp64 (not autocast's: the op runs as called)
+    if name in _CONV_OPS:
+        if not _cudnn_adds_bias(op, name, args, kwargs):
+            return args, kwargs, None
+    elif name != "linear" or not _linear_adds_bias(args[0], bias):
+        return args, kwargs, None
+    if idx < len(args):
+        args = [*args[:idx], None, *args[idx + 1:]]
+    else:
+        kwargs = {**kwargs, "bias": None}
+    return args, kwargs, bias
+
+
+def _add_bias(out: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, conv: bool) -> torch.Tensor:
+    """The separate bias add, in fp32 from two rounded operands, rounded once more."""
+    if conv:
+        bias = bias.reshape(1, -1, *([1] * (out.dim() - 2)))
+    return (out.float() + bias).to(dtype)
+
+
+def _einsum_sums_first(equation: str, n_operands: int) -> bool:
+    """Does einsum (Linear.cpp) sum a dimension out of one operand before its pairwise bmm (a rounded sum)?"""
+    if n_operands != 2:
+        return False
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    ops = lhs.split(",")
+    if len(ops) != 2 or not arrow:
+        return False  # implicit output keeps every index that appears once
+    a, b = (set(o.replace("...", "")) for o in ops)
+    out = set(rhs.replace("...", ""))
+    if (a - b - out) or (b - a - out):
+        return True
+    return "..." not in rhs and any("..." in o for o in ops)
 
 
 class _Rounded:
@@ -194,21 +295,32 @@ def _round_out(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
+    if policy is CastPolicy.LOWER_PRECISION_FP and name in _MODELLED_OPS:
+        return _MODELLED_OPS[name](op, _make_kernel(op, policy, name + "#native"))
     if policy is CastPolicy.LOWER_PRECISION_FP and name in FP32_COMPUTE_OPS:
         native = _make_kernel(op, policy, name + "#native")
+        separate_bias = name in _CONV_OPS or name == "linear"
 
         def kernel(*args, **kwargs):
-            if name == "einsum" and len(args) > 1 and isinstance(args[1], (list, tuple)) and len(args[1]) > 2:
-                return native(*args, **kwargs)  # a chain of pairwise GEMMs with rounded intermediates
+            if name == "einsum" and len(args) > 1 and isinstance(args[1], (list, tuple)) and (
+                    len(args[1]) > 2 or _einsum_sums_first(args[0], len(args[1]))):
+                return native(*args, **kwargs)  # pairwise GEMMs or sums with rounded intermediates
             dtype = torch.get_autocast_dtype("cpu")
             args = [_round_up(a, dtype) for a in args]
             if kwargs:
                 kwargs = {k: _round_up(v, dtype) for k, v in kwargs.items()}
+            bias = None
+            if separate_bias:
+                args, kwargs, bias = _without_bias(op, name, args, kwargs)
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                return _round_out(op(*args, **kwargs), dtype)
+                out = _round_out(op(*args, **kwargs), dtype)
+                if bias is not None:
+                    out = _add_bias(out, bias, dtype, conv=name != "linear")
+                return out
         return kernel
     if policy is CastPolicy.LOWER_PRECISION_FP:
-        # RNN cells and multi-GEMM chains: native low precision, with their inner GEMMs emulated.
+        # Multi-GEMM chains and elementwise composites (CUDA runs the same composite code): native low
+        # precision, with their inner GEMMs emulated.
         def kernel(*args, **kwargs):
             dtype = torch.get_autocast_dtype("cpu")
             args, kwargs = _cast_tree(args, dtype), {k: _cast_tree(v, dtype) for k, v in kwargs.items()}
@@ -267,7 +379,9 @@ def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
                 elif not (widest == lower and t.dtype == lower):
                     raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
             args, kwargs = _cast_tree(args, widest), {k: _cast_tree(v, widest) for k, v in kwargs.items()}
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            # All in the low dtype, dot/vdot and tensordot's mm are GEMMs: emulated like every other GEMM.
+            gemms = LowPrecisionGemmMode() if widest != torch.float32 else contextlib.nullcontext()
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU), gemms:
                 return op(*args, **kwargs)
         return kernel
     if policy is CastPolicy.BANNED:
@@ -282,6 +396,145 @@ def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
             )
         return kernel
     raise AssertionError(policy)
+
+
+def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """All of an op's arguments in schema order, defaults filled in."""
+    out = []
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            out.append(args[i])
+        elif a.name in kwargs:
+            out.append(kwargs[a.name])
+        else:
+            out.append(a.default_value if a.has_default_value() else None)
+    return out
+
+
+def _all_low(dtype: torch.dtype, *tensors: Any) -> bool:
+    return all(t is None or (isinstance(t, torch.Tensor) and t.dtype == dtype) for t in tensors) and \
+        dtype in LOW_DTYPES
+
+
+def _gemm_low(fn, dtype: torch.dtype, *tensors: torch.Tensor | None) -> torch.Tensor:
+    """A GEMM on low-precision operands as emulated everywhere: fp32 from the rounded values, rounded once."""
+    return fn(*(None if t is None else _round_up(t, dtype) for t in tensors)).to(dtype)
+
+
+def _modelled(body):
+    """A kernel for an op whose CUDA kernel is modelled step by step (cuda_kernels.py): the autocast casts, then
+    ``body(dtype, *arguments)``, or the native composite when the inputs are not all of the autocast dtype
+    (fp64) or the shapes are ones the CUDA kernel rejects."""
+    def factory(op: torch._ops.OpOverload, native):
+        def kernel(*args, **kwargs):
+            dtype = torch.get_autocast_dtype("cpu")
+            bound = [_cast_tree(a, dtype) for a in _bound(op, args, kwargs)]
+            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+                out = body(dtype, *bound)
+            return native(*args, **kwargs) if out is NotImplemented else out
+        return kernel
+    return factory
+
+
+@_modelled
+def _addr(dtype, self_, vec1, vec2, beta, alpha):
+    if not _all_low(dtype, self_, vec1, vec2) or vec1.dim() != 1 or vec2.dim() != 1:
+        return NotImplemented
+    return cuda_kernels.AddrFunction.apply(self_, vec1, vec2, beta, alpha)
+
+
+@_modelled
+def _addbmm(dtype, self_, batch1, batch2, beta, alpha):
+    if not _all_low(dtype, self_, batch1, batch2) or batch1.dim() != 3 or batch2.dim() != 3:
+        return NotImplemented
+    return cuda_kernels.AddbmmFunction.apply(self_, batch1, batch2, beta, alpha)
+
+
+def _cell_ok(dtype, x, h, *rest) -> bool:
+    return _all_low(dtype, x, h, *rest) and x.dim() == 2 and h.dim() == 2
+
+
+@_modelled
+def _fused_lstm_cell(dtype, igates, hgates, cx, b_ih, b_hh):
+    if not _cell_ok(dtype, igates, hgates, cx, b_ih, b_hh):
+        return NotImplemented
+    return cuda_kernels.FusedLSTMCellFunction.apply(igates, hgates, cx, b_ih, b_hh)
+
+
+@_modelled
+def _fused_gru_cell(dtype, igates, hgates, hx, b_ih, b_hh):
+    if not _cell_ok(dtype, igates, hgates, hx, b_ih, b_hh):
+        return NotImplemented
+    return cuda_kernels.FusedGRUCellFunction.apply(igates, hgates, hx, b_ih, b_hh)
+
+
+@_modelled
+def _lstm_cell(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
+    # RNN.cpp LSTMCell on CUDA: matmul_ih / matmul_hh (no bias), then _thnn_fused_lstm_cell.
+    if len(hx) != 2 or not _cell_ok(dtype, x, hx[0], hx[1], w_ih, w_hh, b_ih, b_hh):
+        return NotImplemented
+    igates = _gemm_low(torch.mm, dtype, x, w_ih.t())
+    hgates = _gemm_low(torch.mm, dtype, hx[0], w_hh.t())
+    hy, cy, _ = cuda_kernels.FusedLSTMCellFunction.apply(igates, hgates, hx[1], b_ih, b_hh)
+    return hy, cy
+
+
+@_modelled
+def _gru_cell(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
+    # RNN.cpp GRUCell on CUDA: matmul_ih / matmul_hh (no bias), then _thnn_fused_gru_cell.
+    if not _cell_ok(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
+        return NotImplemented
+    igates = _gemm_low(torch.mm, dtype, x, w_ih.t())
+    hgates = _gemm_low(torch.mm, dtype, hx, w_hh.t())
+    return cuda_kernels.FusedGRUCellFunction.apply(igates, hgates, hx, b_ih, b_hh)[0]
+
+
+def _simple_cell(nonlinearity):
+    @_modelled
+    def cell(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
+        # RNN.cpp SimpleCell: linear_hh(hx).add_(linear_ih(x)), then the nonlinearity, all in the low dtype;
+        # each linear is one addmm (bias included, one rounding).
+        if not _all_low(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
+            return NotImplemented
+        return nonlinearity(_gemm_low(F.linear, dtype, hx, w_hh, b_hh) + _gemm_low(F.linear, dtype, x, w_ih, b_ih))
+    return cell
+
+
+@_modelled
+def _conv_tbc(dtype, x, weight, bias, pad):
+    if not _all_low(dtype, x, weight, bias) or x.dim() != 3 or weight.dim() != 3:
+        return NotImplemented
+    return cuda_kernels.ConvTBCFunction.apply(x, weight, bias, int(pad))
+
+
+def _cudnn_conv(transposed: bool):
+    @_modelled
+    def conv(dtype, x, w, *params):
+        # cudnn_convolution(_transpose) has no CPU kernel: the same convolution, computed in fp32, rounded once.
+        if not _all_low(dtype, x, w):
+            return NotImplemented
+        if transposed:
+            padding, output_padding, stride, dilation, groups = params[:5]
+        else:
+            (padding, stride, dilation, groups), output_padding = params[:4], [0] * (x.dim() - 2)
+        return _gemm_low(lambda a, b: torch.convolution(a, b, None, stride, padding, dilation, transposed,
+                                                        output_padding, groups), dtype, x, w)
+    return conv
+
+
+_MODELLED_OPS = {
+    "addr": _addr,
+    "addbmm": _addbmm,
+    "conv_tbc": _conv_tbc,
+    "_thnn_fused_lstm_cell": _fused_lstm_cell,
+    "_thnn_fused_gru_cell": _fused_gru_cell,
+    "lstm_cell": _lstm_cell,
+    "gru_cell": _gru_cell,
+    "rnn_tanh_cell": _simple_cell(torch.tanh),
+    "rnn_relu_cell": _simple_cell(torch.relu),
+    "cudnn_convolution": _cudnn_conv(False),
+    "cudnn_convolution_transpose": _cudnn_conv(True),
+}
 
 
 def _flat_tensors(x: Any) -> Iterator[torch.Tensor]:
@@ -385,12 +638,21 @@ _aten = torch.ops.aten
 
 # GEMM-family ops computed in fp32 and rounded when their floating inputs are all fp16 or all bf16.
 _GEMM_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.addbmm.default,
-    _aten.mv.default, _aten.addmv.default, _aten.addr.default, _aten.dot.default, _aten.vdot.default,
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten.mv.default, _aten.addmv.default, _aten.dot.default, _aten.vdot.default,
     _aten._addmm_activation.default,
     _aten.convolution.default, _aten.convolution_backward.default,
     _aten._convolution.default,
 }
+# Their CUDA kernels round more than once: computed by the models of cuda_kernels.py (forward; below autograd,
+# their backward formulas run as ordinary ops, GEMMs emulated here).
+_MODELLED_FORWARD = {
+    _aten.addr.default: cuda_kernels.addr_forward,
+    _aten.addbmm.default: cuda_kernels.addbmm_forward,
+}
+_CONV_MODE_OPS = {_aten.convolution.default: "convolution", _aten._convolution.default: "_convolution"}
+# In-place GEMMs (conv_tbc's one addmm_ per kernel tap): computed like their out-of-place forms, then stored.
+_INPLACE_GEMM_OPS = {_aten.addmm_.default: _aten.addmm.default, _aten.baddbmm_.default: _aten.baddbmm.default}
 # CPU flash attention: (index of the query argument, which outputs stay float32 on the native path).
 # Forward returns (out, logsumexp) with logsumexp in fp32; backward takes logsumexp (fp32) as an input.
 _SDPA_OPS = {
@@ -430,10 +692,26 @@ class LowPrecisionGemmMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _MODELLED_FORWARD:
+            dtype = _low_dtype_of(args, kwargs)
+            if dtype is not None:
+                self.gemm_calls += 1
+                return _MODELLED_FORWARD[func](*_bound(func, args, kwargs))
+        if func in _INPLACE_GEMM_OPS:
+            dtype = _low_dtype_of(args, kwargs)
+            if dtype is not None:
+                self.gemm_calls += 1
+                out = _INPLACE_GEMM_OPS[func](*_up(args, dtype), **_up(kwargs, dtype))
+                return args[0].copy_(out.to(dtype))
         if func in _GEMM_OPS:
             dtype = _low_dtype_of(args, kwargs)
             if dtype is not None:
                 self.gemm_calls += 1
+                if func in _CONV_MODE_OPS:
+                    c_args, c_kwargs, bias = _without_bias(func, _CONV_MODE_OPS[func], list(args), kwargs)
+                    if bias is not None:
+                        out = func(*_up(c_args, dtype), **_up(c_kwargs, dtype)).to(dtype)
+                        return _add_bias(out, bias.float(), dtype, conv=True)
                 out = func(*_up(args, dtype), **_up(kwargs, dtype))
                 return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
         elif func in _SDPA_OPS:

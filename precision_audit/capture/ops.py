@@ -100,6 +100,15 @@ def _conv(args, kwargs, out) -> GemmOp:
                   (("C_in", "input channels", c_in), ("C_out", "output channels", c_out)), note, spec)
 
 
+def _conv_tbc(args, kwargs, out) -> GemmOp:
+    """conv_tbc: one (time x batch, C_in) @ (C_in, C_out) GEMM per kernel tap (docs/emulation.md)."""
+    x, w = args[0], args[1]
+    taps, c_in, c_out = w.shape
+    m = out.shape[0] * out.shape[1]
+    return GemmOp("conv_tbc", "conv", m, c_out, c_in, taps, 2 * taps * m * c_in * c_out,
+                  (("C_in", "input channels", c_in), ("C_out", "output channels", c_out)))
+
+
 def _sdpa_cpu(args, kwargs, out) -> GemmOp:
     q, k_, v = args[0], args[1], args[2]
     flops = int(flop_counter.sdpa_flop_count(list(q.shape), list(k_.shape), list(v.shape)))
@@ -124,9 +133,11 @@ register_gemm(_aten.addmm.default, _matmul_like("addmm", 1, 2))
 register_gemm(_aten._addmm_activation.default, _matmul_like("addmm", 1, 2))
 register_gemm(_aten.bmm.default, _matmul_like("bmm", 0, 1))
 register_gemm(_aten.baddbmm.default, _matmul_like("baddbmm", 1, 2))
+register_gemm(_aten.addbmm.default, _matmul_like("addbmm", 1, 2))  # one GEMM per batch, summed (docs/emulation.md)
 register_gemm(_aten.mv.default, _mv)
 register_gemm(_aten.addmv.default, lambda a, kw, o: _mv(a[1:], kw, o))
 register_gemm(_aten.convolution.default, _conv)
+register_gemm(_aten.conv_tbc.default, _conv_tbc)
 register_gemm(_aten._scaled_dot_product_flash_attention_for_cpu.default, _sdpa_cpu)
 if hasattr(_aten, "_scaled_dot_product_flash_attention"):
     register_gemm(_aten._scaled_dot_product_flash_attention.default, _sdpa_cpu)
