@@ -45,6 +45,7 @@ import logging
 import math
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +60,9 @@ log = logging.getLogger(__name__)
 #: A gradient overflow in backward counts towards promotion only once the loss scale is this low: above it,
 #: the GradScaler backs off and the overflow goes away by itself.
 BACKWARD_SOURCE_MAX_SCALE = 1.0
+
+#: The name under which gradients of optimizer parameters that are not the model's are reported.
+OUTSIDE_THE_MODEL = "(outside the model)"
 
 
 def _floating_tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -91,16 +95,48 @@ def _innermost(names: set[str]) -> list[str]:
     return sorted(keep)
 
 
+def _kind(values: list[float]) -> str:
+    """What non-finite values a list of (min, max) pairs shows: "+inf", "-inf", "NaN" or a combination."""
+    kinds = []
+    if any(math.isnan(v) for v in values):
+        kinds.append("NaN")
+    if any(v == math.inf for v in values):
+        kinds.append("+inf")
+    if any(v == -math.inf for v in values):
+        kinds.append("-inf")
+    return "/".join(kinds) or "non-finite"
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Where a step's non-finite gradients started, decided before the optimizer step (DESIGN §7, docs/policy.md).
+
+    ``source``: the first module, in the order the forward calls finished, whose floating output was non-finite
+    although its floating inputs were finite, or None; ``detail``: what was seen there (quoted in logs and
+    promotion reasons); ``forward_nonfinite``: some module output was non-finite in this step's forward;
+    ``backward``: adaptive mode only, modules whose parameter gradients went non-finite from a finite output
+    gradient (counted only when the forward was finite and the loss scale is <= 1).
+    """
+
+    source: str | None
+    detail: str
+    forward_nonfinite: bool
+    backward: tuple[str, ...] = ()
+
+
 class _SourceProbe:
-    """Forward hooks recording, per module call, the (min, max) of its floating inputs and outputs, and tensor
-    hooks recording those of the gradient arriving at its outputs.
+    """Forward hooks recording, per module call, the (min, max) of its floating inputs and outputs, and (with
+    ``backward=True``) tensor hooks recording those of the gradient arriving at its outputs.
 
     The values stay tensors (no device sync) until :meth:`evaluate` runs on a step that found non-finite
     gradients; a tensor seen twice in a step (one module's output is the next one's input) is reduced once.
+    Records are kept in the order the calls finished, so a child comes before its parent and an earlier layer
+    before a later one.
     """
 
-    def __init__(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], backward: bool) -> None:
         self.names = [n for n, _ in modules]
+        self.backward = backward
         self.fwd: list[tuple[int, list, list]] = []  # (module index, input ranges, output ranges)
         self.bwd: list[tuple[int, tuple]] = []  # (module index, output-gradient range)
         self._memo: dict[int, tuple[weakref.ref, int, Any]] = {}
@@ -125,9 +161,10 @@ class _SourceProbe:
             ins = _floating_tensors((args, kwargs), [])
             self.fwd.append((i, [r for t in ins if (r := self._range_of(t)) is not None],
                              [r for t in outs if (r := self._range_of(t)) is not None]))
-            for t in outs:
-                if t.requires_grad:
-                    t.register_hook(grad_hook)
+            if self.backward:
+                for t in outs:
+                    if t.requires_grad:
+                        t.register_hook(grad_hook)
 
         def grad_hook(grad: torch.Tensor) -> None:
             r = _range(grad)
@@ -148,8 +185,13 @@ class _SourceProbe:
         self.clear()
 
     def evaluate(self, nonfinite_params: set[str], backward_counts: bool, device: torch.device,
-                 reduce: Any) -> tuple[list[str], list[str]]:
-        """(forward sources, backward sources), innermost only; ``reduce`` all-reduces a flag tensor (MAX)."""
+                 reduce: Any) -> Attribution:
+        """Where this step's non-finite values started; ``reduce`` all-reduces a tensor (MAX) across ranks.
+
+        One device sync for the recorded ranges, one all-reduce: per module, minus the position of its first
+        call that was a forward source (MAX of negatives = the earliest), the backward-source flags, and
+        whether any forward output was non-finite; so every rank names the same source.
+        """
         flat: list[torch.Tensor] = []
 
         def add(ranges: list) -> tuple[int, int]:
@@ -161,13 +203,23 @@ class _SourceProbe:
 
         spans = [(i, add(ins), add(outs)) for i, ins, outs in self.fwd]
         gspans = [(i, add([r])) for i, r in self.bwd]
-        finite = torch.isfinite(torch.stack(flat)).tolist() if flat else []
-        bad = lambda span: not all(finite[span[0]:span[1]])  # noqa: E731
+        vals = torch.stack(flat).tolist() if flat else []
+        bad = lambda span: not all(math.isfinite(v) for v in vals[span[0]:span[1]])  # noqa: E731
         n = len(self.names)
-        fwd_src = [0.0] * n
-        for i, ins, outs in spans:
-            if bad(outs) and not bad(ins):
-                fwd_src[i] = 1.0
+        none = -float(len(spans) + 1)
+        first = [none] * n
+        local_detail: dict[int, str] = {}
+        any_fwd_bad = 0.0
+        for pos, (i, ins, outs) in enumerate(spans):
+            if not bad(outs):
+                continue
+            any_fwd_bad = 1.0
+            if bad(ins) or first[i] != none:
+                continue
+            first[i] = -float(pos)
+            amax = max((abs(v) for v in vals[ins[0]:ins[1]]), default=None)
+            local_detail[i] = (f"its output went non-finite ({_kind(vals[outs[0]:outs[1]])}) from finite inputs"
+                               + (f" (max |input| {amax:.3g})" if amax is not None else " (no floating inputs)"))
         grad_seen = [False] * n
         grad_bad = [False] * n
         for i, span in gspans:
@@ -179,10 +231,19 @@ class _SourceProbe:
                 if grad_seen[i] and not grad_bad[i] and any(
                         name == "" or p == name or p.startswith(name + ".") for p in nonfinite_params):
                     bwd_src[i] = 1.0
-        agreed = reduce(torch.tensor(fwd_src + bwd_src, device=device)).tolist()
-        fwd = {self.names[i] for i in range(n) if agreed[i]}
-        bwd = {self.names[i] for i in range(n) if agreed[n + i]}
-        return _innermost(fwd), _innermost(bwd)
+        agreed = reduce(torch.tensor(first + bwd_src + [any_fwd_bad], device=device, dtype=torch.float64)).tolist()
+        forward_nonfinite = agreed[-1] > 0
+        best = max(range(n), key=lambda i: agreed[i]) if n else None
+        source = None
+        detail = ""
+        if best is not None and agreed[best] > none:
+            source = self.names[best]
+            detail = local_detail.get(best, "its output went non-finite from finite inputs (on another rank)")
+        # A non-finite forward explains the gradients; backward sources only count after a finite forward
+        # (otherwise the module after the source, whose output gradient is still finite, would be blamed).
+        bwd = () if forward_nonfinite else tuple(
+            _innermost({self.names[i] for i in range(n) if agreed[n + i]}))
+        return Attribution(source, detail, forward_nonfinite, bwd)
 
 
 class PrecisionController:
@@ -245,18 +306,29 @@ class PrecisionController:
             self._params.extend(own)
             if own:
                 self._module_params.append((name, own))
+        # Parameters the optimizer updates that are not the model's (a learnable loss temperature, say): their
+        # gradients are checked too, since a non-finite one would reach the optimizer just the same.
+        outside = [p for g in optimizer.param_groups for p in g["params"]
+                   if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen]
+        outside = list({id(p): p for p in outside}.values())
+        if outside:
+            self._params.extend(outside)
+            self._module_params.append((OUTSIDE_THE_MODEL, outside))
         if device is None:
             device = self._params[0].device.type if self._params else "cpu"
         self.device_type = torch.device(device).type if not isinstance(device, str) else device.split(":")[0]
         self.scaler = policy.grad_scaler(self.device_type)
         self._step = 0
-        self._streaks: dict[str, int] = {}
+        self._skipped = 0
+        self._streaks: dict[str, list[int]] = {}
         self._reported_fp32_sources: set[str] = set()
         self._own_handle = None
-        self._probe = _SourceProbe(modules) if adaptive else None
-        if adaptive and type(model).__name__ == "OptimizedModule":
-            log.info("adaptive controller on a torch.compile'd model: its hooks are traced only by code compiled "
-                     "after this point")
+        # Forward hooks in every mode, so that a skipped step names where its non-finite values started; the
+        # backward tensor hooks only in adaptive mode (they serve the backward-source rule alone).
+        self._probe = _SourceProbe(modules, backward=adaptive)
+        if type(model).__name__ == "OptimizedModule":
+            log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
+                     "this point")
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -269,12 +341,18 @@ class PrecisionController:
     def steps(self) -> int:
         return self._step
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose optimizer update was skipped because a gradient was non-finite (a running count)."""
+        return self._skipped
+
     def save_policy(self, path: str | os.PathLike[str]) -> None:
         """Write :attr:`policy` (with any promotions) to ``path`` atomically."""
         save_policy(self._policy, path)
 
     def close(self) -> None:
-        """Remove the adaptive hooks (and a handle the controller applied itself). The scaler stays usable."""
+        """Remove the controller's hooks (and a handle it applied itself). The scaler stays usable; later steps
+        are still checked and skipped, but no longer name a source."""
         if self._probe is not None:
             self._probe.remove()
             self._probe = None
@@ -283,13 +361,15 @@ class PrecisionController:
             self._own_handle = None
 
     def step(self, loss: torch.Tensor) -> StepRecord:
-        """Backward, unscale, non-finite check, optimizer step, scaler update, zero_grad; returns the record."""
+        """Backward, unscale, non-finite check, optimizer step (skipped if any gradient is non-finite), scaler
+        update, zero_grad; returns the step's record."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise OptionError("controller.step(loss) takes the loss as a one-element tensor",
                               found=type(loss).__name__ if not isinstance(loss, torch.Tensor) else
                               f"a tensor of shape {tuple(loss.shape)}")
         self._step += 1
         scaler, opt = self.scaler, self.optimizer
+        attribution: Attribution | None = None
         try:
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
@@ -303,8 +383,11 @@ class PrecisionController:
                 found = found_infs[0].to(dev).reshape(()).float()
             else:
                 found = torch.stack([v.to(dev).reshape(()) for v in found_infs]).sum().float()
+            # A non-finite total norm is the cheap gate (no extra pass over the gradients on a clean step); the
+            # per-module scan below decides, since a norm can also overflow from finite gradients.
             flags = torch.stack([found, (~torch.isfinite(norm)).float()])
-            if self._distributed():
+            distributed = self._distributed()
+            if distributed:
                 import torch.distributed as dist
 
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -318,24 +401,43 @@ class PrecisionController:
                 [loss.detach().float().reshape(1), norm.reshape(1), flags, scale_t]).tolist()
             scale_used = scale_v if scaler.is_enabled() else None
             bad = found_v > 0 or bad_norm > 0
-            nonfinite = self._scan_modules() if bad else ()
-            fwd_src: list[str] = []
-            bwd_src: list[str] = []
-            if bad and self._probe is not None:
-                backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
-                fwd_src, bwd_src = self._probe.evaluate(set(nonfinite), backward_counts, dev, self._reduce_max)
-            scaler.step(opt)
+            nonfinite: tuple[str, ...] = ()
+            skip = False
+            if bad:  # every rank gets here together (the flags are agreed), so the collectives below match
+                nonfinite = self._scan_modules()
+                mine = torch.tensor([1.0 if nonfinite else 0.0], device=dev)
+                skip = found_v > 0 or self._reduce_max(mine).item() > 0
+                if self._probe is not None:
+                    backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
+                    attribution = self._probe.evaluate({n for n in nonfinite if n != OUTSIDE_THE_MODEL},
+                                                       backward_counts, dev, self._reduce_max)
+                if skip and found_v == 0:
+                    # non-finite where the GradScaler does not look (parameters outside the optimizer): make it
+                    # skip and back off as it does for its own finds
+                    for v in found_infs:
+                        v.fill_(1.0)
+            # The update: never with a non-finite gradient, whatever the format (DESIGN §7). A disabled scaler's
+            # step() is a plain optimizer.step(), so a skipped step does not call it at all.
+            if not skip or scaler.is_enabled():
+                scaler.step(opt)
             scaler.update()
         finally:
             if self._probe is not None:
                 self._probe.clear()
         opt.zero_grad(set_to_none=True)
-        skipped = scaler.is_enabled() and found_v > 0
-        promoted = self._adapt(fwd_src, bwd_src) if self.adaptive else ()
-        return self.monitor.observe(step=self._step, loss=loss_v, scale=scale_used, skipped=skipped,
-                                    grad_norm=norm_v, nonfinite_modules=nonfinite,
-                                    sources=tuple(fwd_src) + tuple(n for n in bwd_src if n not in fwd_src),
-                                    promoted=promoted)
+        if skip:
+            self._skipped += 1
+            self._report_skip(loss_v, scale_used, nonfinite, attribution)
+        sources: tuple[str, ...] = ()
+        if attribution is not None:
+            sources = ((attribution.source,) if attribution.source is not None else ()) + tuple(
+                n for n in attribution.backward if n != attribution.source)
+        promoted = self._adapt(attribution) if self.adaptive else ()
+        return self.monitor.observe(step=self._step, loss=loss_v, scale=scale_used, skipped=skip,
+                                    grad_norm=norm_v, nonfinite_modules=nonfinite, sources=sources,
+                                    promoted=promoted,
+                                    source_detail=attribution.detail if attribution and attribution.source is not None
+                                    else "")
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -381,10 +483,38 @@ class PrecisionController:
         vals = torch.stack([c.to(dev) for _, c in checks]).tolist()
         return tuple(name for (name, _), v in zip(checks, vals) if v)
 
-    def _adapt(self, fwd_src: list[str], bwd_src: list[str]) -> tuple[str, ...]:
-        kinds = {n: "its output overflowed from finite inputs" for n in fwd_src}
-        kinds.update({n: "its gradients overflowed at loss scale <= 1" for n in bwd_src if n not in kinds})
-        streaks = {n: self._streaks.get(n, 0) + 1 for n in kinds}
+    def _report_skip(self, loss_v: float, scale: float | None, nonfinite: tuple[str, ...],
+                      a: Attribution | None) -> None:
+        """Log a skipped step: WARNING, except a GradScaler backoff from an overflow in the scaled backward
+        (finite forward, scale above 1), which is the loss scaler's routine and logged at INFO."""
+        where = (f" in {', '.join(n or '(root)' for n in nonfinite[:6])}{' ...' if len(nonfinite) > 6 else ''}"
+                 if nonfinite else "")
+        if a is not None and a.source is not None:
+            origin = f"they start in {a.source or '(root)'!r}: {a.detail}"
+        elif a is not None and a.forward_nonfinite:
+            origin = "no module turned finite inputs into non-finite outputs (the model's inputs were not finite)"
+        elif a is not None and a.backward:
+            origin = f"they start in the backward pass of {', '.join(repr(n) for n in a.backward)}"
+        elif a is not None and not math.isfinite(loss_v):
+            origin = "every module output was finite: they start in the loss"
+        elif a is not None:
+            origin = "every module output was finite: they start in the backward pass"
+        else:
+            origin = "no source recorded (the controller's hooks were removed)"
+        routine = (scale is not None and scale > BACKWARD_SOURCE_MAX_SCALE and math.isfinite(loss_v)
+                   and a is not None and not a.forward_nonfinite)
+        level = logging.INFO if routine else logging.WARNING
+        log.log(level, "step %d skipped: non-finite gradients%s; %s%s (%d step(s) skipped so far)", self._step,
+                where, origin, f"; loss scale {scale:g} backs off" if scale is not None else "", self._skipped)
+
+    def _adapt(self, a: Attribution | None) -> tuple[str, ...]:
+        kinds: dict[str, str] = {}
+        if a is not None and a.source is not None:
+            kinds[a.source] = a.detail
+        for n in (a.backward if a is not None else ()):
+            kinds.setdefault(n, "its parameter gradients went non-finite from a finite output gradient at loss "
+                                "scale <= 1")
+        streaks = {n: self._streaks.get(n, []) + [self._step] for n in kinds}
         self._streaks = streaks
         promoted = []
         policy = self._policy
@@ -393,13 +523,14 @@ class PrecisionController:
             if fmt not in LOW_PRECISION_DTYPES:
                 if name not in self._reported_fp32_sources:
                     self._reported_fp32_sources.add(name)
-                    log.warning("adaptive precision: non-finite values start in %r, which already runs in %s: "
-                                "not a precision problem, nothing to promote", name or "(root)", fmt)
+                    log.warning("adaptive precision: non-finite values start in %r (%s), which already runs in %s: "
+                                "not a precision problem, nothing to promote", name or "(root)", kinds[name], fmt)
                 continue
-            if streaks[name] < self.promote_after:
+            steps = streaks[name]
+            if len(steps) < self.promote_after:
                 continue
             reason = (f"promoted from {fmt} to fp32 by the adaptive controller at step {self._step}: {kinds[name]} "
-                      f"in {streaks[name]} consecutive steps")
+                      f"in {len(steps)} consecutive step(s) ({', '.join(map(str, steps))})")
             policy = policy.with_override(name, "fp32", reason)
             promoted.append(name)
             del self._streaks[name]
