@@ -228,3 +228,71 @@ def test_a_norm_that_overflows_from_finite_gradients_is_not_skipped():
     assert not math.isfinite(rec.grad_norm), "the case must overflow the norm"
     assert not rec.skipped and rec.nonfinite_modules == () and ctl.skipped_steps == 0
     ctl.close()
+
+
+# --- two ranks (gloo): the skip and the source are agreed without a GradScaler ------------------------------
+
+DDP_STEPS = 4
+DDP_BAD_STEP = 2  # 1-based: the step at which rank 1 alone overflows in "mid"
+
+
+def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = Chain()
+        fault = {"on": False}
+        model.b.register_forward_hook(lambda m, i, o: o * 1e39 if fault["on"] else o)
+        policy = _chain_policy(model, "bf16")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        ctl = policy.controller(ddp, opt, device="cpu")
+        g = torch.Generator().manual_seed(10 + rank)
+        rows = []
+        for step in range(1, DDP_STEPS + 1):
+            fault["on"] = step == DDP_BAD_STEP and rank == 1
+            x = torch.randn(4, 8, generator=g)
+            if step == DDP_BAD_STEP:
+                with ddp.no_sync():  # DDP does not all-reduce this step's gradients: only rank 1's are non-finite
+                    with policy.autocast("cpu"):
+                        rec = ctl.step(ddp(x).float().pow(2).mean())
+            else:
+                with policy.autocast("cpu"):
+                    rec = ctl.step(ddp(x).float().pow(2).mean())
+            rows.append((rec.skipped, rec.sources, rec.nonfinite_modules))
+        torch.save({"rows": rows, "skipped": ctl.skipped_steps,
+                    "params": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        ctl.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes: ~25 s on a loaded 2-core machine
+def test_two_ranks_skip_together_and_name_the_same_source_without_a_scaler(tmp_path):
+    import socket
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    for r in (r0, r1):
+        assert [row[0] for row in r["rows"]] == [s == DDP_BAD_STEP for s in range(1, DDP_STEPS + 1)]
+        assert r["rows"][DDP_BAD_STEP - 1][1] == ("b",), r["rows"]
+        assert r["skipped"] == 1
+    assert r0["rows"][DDP_BAD_STEP - 1][2] == () and "b" in r1["rows"][DDP_BAD_STEP - 1][2]
+    for k in r0["params"]:
+        assert torch.equal(r0["params"][k], r1["params"][k]), k
+        assert torch.isfinite(r0["params"][k]).all()

@@ -4,36 +4,46 @@
 
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
-    total gradient norm; under torch.distributed: all-reduce (MAX) of the GradScaler's found_inf
+    total gradient norm; under torch.distributed: all-reduce (MAX) of found_inf and "norm not finite"
     [clip to max_grad_norm]
     one device sync (loss, norm, found_inf, scale)
-    per-module non-finite check (only on a step whose gradients are not all finite)
-    scaler.step(optimizer); scaler.update(); optimizer.zero_grad(set_to_none=True)
-    monitor.observe(...)
+    only if found_inf or the norm is not finite: per-module non-finite scan (decides the skip, agreed across
+    ranks) and the source attribution (forward hooks' records, one more sync)
+    scaler.step(optimizer) -- skipped whenever a gradient is non-finite, in every format; scaler.update()
+    optimizer.zero_grad(set_to_none=True); monitor.observe(...)
 
 Without faults the GradScaler's state is step for step the one of the plain loop (tests/test_runtime.py).
+
+**No non-finite update, in any format** (DESIGN §7, docs/policy.md). With a GradScaler, a non-finite gradient
+makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients
+the GradScaler does not see: optimizer parameters it was not given). Without one (bf16, fp32, fp16 with loss
+scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm is only the gate: a
+norm that overflows from finite gradients does not skip. Skipped steps are counted
+(``controller.skipped_steps``) and logged at WARNING, with their source; a GradScaler backoff from an overflow
+in the scaled backward (finite forward, scale > 1) is routine and logged at INFO.
 
 **Distributed.** A rank's GradScaler only sees its own gradients. DDP averages gradients during backward, so
 an inf on one rank usually reaches all, but not always (``no_sync`` accumulation, parameters outside DDP,
 hand-written gradient sync). Under an initialised process group with more than one rank the controller
-all-reduces (MAX) the found_inf flags before ``scaler.step``, so every rank skips the same steps and their
-scales stay equal; in adaptive mode it all-reduces the per-module findings too, so every rank promotes the
-same modules.
+all-reduces (MAX) the flags before ``scaler.step``, so every rank skips the same steps and their scales stay
+equal; it all-reduces the findings too, so every rank names (and promotes) the same module.
 
-**Adaptive mode** (``adaptive=True``). Forward hooks on every module record, per call, whether the floating
-inputs were finite and the outputs not, and tensor hooks on the outputs whether the incoming gradient was
-finite. On a step with non-finite gradients the controller finds where they started:
+**Source attribution** (every mode). Forward hooks on every module record, per call, the (min, max) of its
+floating inputs and outputs as device tensors (no sync on a clean step). On a step with non-finite gradients
+the *source* is the first module, in the order the calls finished, whose output was non-finite although its
+inputs were finite (an activation overflow, e.g. fp16's 65504, or a real fault). Loss scaling cannot fix it.
 
-- *forward source*: the innermost module whose output was non-finite although its inputs were finite (an
-  activation overflow, e.g. fp16's 65504). Loss scaling cannot fix this.
-- *backward source*: the innermost module whose gradient arriving at its output was finite but whose
-  parameters' gradients were not, counted only when the loss scale is already <= 1 (or scaling is off): above
-  that, an overflow in backward is the GradScaler's to fix by backing off, and it will.
+**Adaptive mode** (``adaptive=True``) adds tensor hooks on the outputs recording whether the incoming gradient
+was finite, for a *backward source*: the innermost module whose gradient arriving at its output was finite but
+whose parameters' gradients were not, counted only when the whole forward was finite (else the module after
+a forward source would be blamed) and the loss scale is already <= 1 (or scaling is off): above that, an
+overflow in backward is the GradScaler's to fix by backing off, and it will.
 
 A module that is a source for ``promote_after`` consecutive steps (default 3) while running in fp16 or bf16
-is promoted to fp32 in the controller's copy of the policy (``controller.policy``), the applied handle is
-updated in place, the change is logged (WARNING), and ``controller.save_policy(path)`` writes the updated
-policy. A source already in fp32 is reported once and left alone (it is not a precision problem).
+is promoted to fp32 in the controller's copy of the policy (``controller.policy``) with a reason quoting what
+was seen, the applied handle is updated in place, the change is logged (WARNING), and
+``controller.save_policy(path)`` writes the updated policy. A source already in fp32 is reported once and
+left alone (it is not a precision problem).
 
 Works on a model wrapped by torch.compile (names and hooks are the inner model's; create the controller
 before the first compiled forward, since hooks added to already-compiled code are not traced) and by DDP.
@@ -529,8 +539,10 @@ class PrecisionController:
             steps = streaks[name]
             if len(steps) < self.promote_after:
                 continue
+            when = (f"at step {steps[0]}" if len(steps) == 1 else
+                    f"in {len(steps)} consecutive steps ({', '.join(map(str, steps))})")
             reason = (f"promoted from {fmt} to fp32 by the adaptive controller at step {self._step}: {kinds[name]} "
-                      f"in {len(steps)} consecutive step(s) ({', '.join(map(str, steps))})")
+                      f"{when}")
             policy = policy.with_override(name, "fp32", reason)
             promoted.append(name)
             del self._streaks[name]
