@@ -296,3 +296,23 @@ def test_two_ranks_skip_together_and_name_the_same_source_without_a_scaler(tmp_p
     for k in r0["params"]:
         assert torch.equal(r0["params"][k], r1["params"][k]), k
         assert torch.isfinite(r0["params"][k]).all()
+
+
+def test_without_attribution_steps_are_still_skipped(caplog):
+    torch.manual_seed(0)
+    model = Net()
+    policy = make_policy(model, "bf16", False)
+    with pytest.raises(Exception, match="attribute=True"):
+        policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", adaptive=True,
+                          attribute=False)
+    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", attribute=False)
+    assert all(not m._forward_hooks for m in model.modules()), "attribute=False installs no hooks"
+    caplog.set_level(logging.WARNING, logger="precision_audit")
+    x = torch.randn(4, 16)
+    records = []
+    for _ in range(EVERY):
+        with policy.autocast("cpu"):
+            records.append(ctl.step(model(x).float().pow(2).mean()))
+    assert [r.skipped for r in records] == [False] * (EVERY - 1) + [True] and records[-1].sources == ()
+    assert ctl.skipped_steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert any("no source recorded" in m.getMessage() for m in caplog.records)

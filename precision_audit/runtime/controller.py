@@ -92,8 +92,7 @@ def _range(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(min, max) of ``t`` in one kernel; both are non-finite iff some element is (aminmax propagates NaN)."""
     if t.numel() == 0:
         return None
-    with torch.no_grad():
-        return torch.aminmax(t.detach())
+    return torch.aminmax(t.detach())  # detached: no graph, no need for a no_grad context (cheaper per call)
 
 
 def _innermost(names: set[str]) -> list[str]:
@@ -154,23 +153,37 @@ class _SourceProbe:
                         for i, (_, m) in enumerate(modules)]
 
     def _range_of(self, t: torch.Tensor) -> Any:
-        hit = self._memo.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
+        key = id(t)
+        version = t._version
+        hit = self._memo.get(key)
+        if hit is not None and hit[1] == version and hit[0]() is t:
             return hit[2]
         r = _range(t)
-        self._memo[id(t)] = (weakref.ref(t), t._version, r)
+        self._memo[key] = (weakref.ref(t), version, r)
         return r
 
     def _make_hook(self, i: int):
+        Tensor = torch.Tensor
+        range_of = self._range_of
+        fwd = self.fwd
+
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not torch.is_grad_enabled():
                 return
-            outs = _floating_tensors(output, [])
-            if not outs:
-                return
-            ins = _floating_tensors((args, kwargs), [])
-            self.fwd.append((i, [r for t in ins if (r := self._range_of(t)) is not None],
-                             [r for t in outs if (r := self._range_of(t)) is not None]))
+            # the common case (one tensor in, one out) without the generic walk: this runs on every call
+            if type(output) is Tensor and not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+                if not output.is_floating_point():
+                    return
+                outs = [output]
+                x = args[0]
+                ins = [x] if x.is_floating_point() else []
+            else:
+                outs = _floating_tensors(output, [])
+                if not outs:
+                    return
+                ins = _floating_tensors((args, kwargs), [])
+            fwd.append((i, [r for t in ins if (r := range_of(t)) is not None],
+                        [r for t in outs if (r := range_of(t)) is not None]))
             if self.backward:
                 for t in outs:
                     if t.requires_grad:
@@ -276,14 +289,16 @@ class PrecisionController:
     (the GradScaler's device type; default: the parameters'), ``max_grad_norm`` (clip the unscaled gradients
     to this total norm), ``process_group`` (for the distributed agreement; default: the default group),
     ``strict`` (refuse a model whose fingerprint differs; default True), ``monitor`` (a
-    :class:`StabilityMonitor` to use) or ``spike_window`` / ``spike_factor`` (to configure a new one).
+    :class:`StabilityMonitor` to use) or ``spike_window`` / ``spike_factor`` (to configure a new one),
+    ``attribute`` (default True: forward hooks that name the source of a non-finite step; False saves their
+    cost on clean steps, and skipped steps are then still skipped and counted, without a source).
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  adaptive: bool = False, promote_after: int = 3, device: str | torch.device | None = None,
                  max_grad_norm: float | None = None, process_group: Any = None, strict: bool = True,
                  monitor: StabilityMonitor | None = None, spike_window: int = 50,
-                 spike_factor: float = 3.0) -> None:
+                 spike_factor: float = 3.0, attribute: bool = True) -> None:
         if not isinstance(policy, Policy):
             raise OptionError("the controller needs a Policy", found=type(policy).__name__)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -335,7 +350,10 @@ class PrecisionController:
         self._own_handle = None
         # Forward hooks in every mode, so that a skipped step names where its non-finite values started; the
         # backward tensor hooks only in adaptive mode (they serve the backward-source rule alone).
-        self._probe = _SourceProbe(modules, backward=adaptive)
+        if adaptive and not attribute:
+            raise OptionError("adaptive=True needs attribute=True (promotion acts on the attributed source)",
+                              found="attribute=False")
+        self._probe = _SourceProbe(modules, backward=adaptive) if attribute else None
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
                      "this point")
@@ -510,7 +528,7 @@ class PrecisionController:
         elif a is not None:
             origin = "every module output was finite: they start in the backward pass"
         else:
-            origin = "no source recorded (the controller's hooks were removed)"
+            origin = "no source recorded (attribute=False, or controller.close() removed the hooks)"
         routine = (scale is not None and scale > BACKWARD_SOURCE_MAX_SCALE and math.isfinite(loss_v)
                    and a is not None and not a.forward_nonfinite)
         level = logging.INFO if routine else logging.WARNING
