@@ -316,3 +316,25 @@ def test_without_attribution_steps_are_still_skipped(caplog):
     assert [r.skipped for r in records] == [False] * (EVERY - 1) + [True] and records[-1].sources == ()
     assert ctl.skipped_steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
     assert any("no source recorded" in m.getMessage() for m in caplog.records)
+
+
+def test_a_gradscaler_backoff_from_a_too_high_scale_is_routine_info_not_a_warning(caplog):
+    torch.manual_seed(0)
+    model = Chain()
+    fp, n = fingerprint(model)
+    policy = Policy(model_class="Chain", model_fingerprint=fp, model_modules=n, target_name="H100 SXM",
+                    target_compute_capability=(9, 0), default_format="fp16", modules={},
+                    loss_scaling=LossScaling(enabled=True, init_scale=2.0 ** 60), model_layout=model_layout(model))
+    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), device="cpu")
+    caplog.set_level(logging.INFO, logger="precision_audit")
+    x = torch.randn(4, 8) * 100
+    records = []
+    for _ in range(3):
+        with policy.autocast("cpu"):
+            records.append(ctl.step(model(x).float().pow(2).mean()))
+    assert records[0].skipped and math.isfinite(records[0].loss), "2^60 must overflow the fp16 backward"
+    skips = [m for m in caplog.records if "skipped" in m.getMessage()]
+    assert skips and all(m.levelno == logging.INFO for m in skips)
+    assert all("every module output was finite: they start in the backward pass" in m.getMessage() for m in skips)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    ctl.close()

@@ -530,7 +530,7 @@ class PrecisionController:
         else:
             origin = "no source recorded (attribute=False, or controller.close() removed the hooks)"
         routine = (scale is not None and scale > BACKWARD_SOURCE_MAX_SCALE and math.isfinite(loss_v)
-                   and a is not None and not a.forward_nonfinite)
+                   and (a is None or not a.forward_nonfinite))
         level = logging.INFO if routine else logging.WARNING
         log.log(level, "step %d skipped: non-finite gradients%s; %s%s (%d step(s) skipped so far)", self._step,
                 where, origin, f"; loss scale {scale:g} backs off" if scale is not None else "", self._skipped)
