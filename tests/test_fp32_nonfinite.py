@@ -153,7 +153,7 @@ def test_an_unused_branch_that_overflows_in_fp32_is_fp32s_not_the_formats(tmp_pa
     assert code == 0 and audit["verdict"]["safe_formats"] == ["bf16", "fp16"]
     assert any("FP32 itself has" in w for w in audit["warnings"])
     assert "FP32 itself has" in summary_text(audit)
-    assert "FP32 itself has" in html
+    assert 'reference — <span class="bad">FP32 itself has' in html  # beside the FP32 row, not only in warnings
 
 
 def test_nan_parameter_gradients_in_fp32_do_not_make_every_format_unsafe(tmp_path):
