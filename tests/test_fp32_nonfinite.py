@@ -195,3 +195,53 @@ def test_error_metrics_leave_out_positions_where_fp32_is_not_finite():
     assert math.isclose(e.rel_l2, 0.5 / math.sqrt(5.0)) and e.max_abs == 0.5
     e.update(torch.tensor([1.0, 1.0]), torch.tensor([math.inf, 1.0]))  # an inf where FP32 is finite: counted
     assert e.nonfinite == 1 and e.rel_l2 == math.inf
+
+
+USED = """
+class Hot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("hot", torch.tensor([True, False, False, True, False, True, False, False]))
+
+    def forward(self, x):
+        return torch.exp(torch.where(self.hot, 1000.0, self.lin(x)))  # +inf in FP32 at the hot features
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.branch = Hot()
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.where(self.branch.hot, 0.0, self.branch(x)))  # used by the loss, its inf masked out
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Net()
+
+
+def loss_fn(output, batch):
+    return output.pow(2).mean()
+"""
+
+
+def test_a_used_branch_with_fp32_inf_has_a_finite_loss_impact_and_is_judged_on_the_rest(tmp_path):
+    from precision_audit.audit import compute_audit
+
+    (tmp_path / "model.py").write_text(HEADER + textwrap.dedent(USED))
+    torch.save(torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(1)), tmp_path / "batch.pt")
+    comp = compute_audit(AuditOptions(model=str(tmp_path / "model.py"), batch=str(tmp_path / "batch.pt"),
+                                      out=tmp_path / "out", formats=(Format.BF16, Format.FP16), steps=0))
+    branch = next(r for r in comp.capture.layers if r.name == "branch")
+    assert branch.activation.infs == 3 * BATCH
+    for f in (Format.BF16, Format.FP16):
+        fs = branch.formats[f]
+        # <dL/dy, y_p - y> over the positions finite in FP32 (dL/dy is 0 at the masked inf, and 0 * NaN is NaN)
+        assert fs.impact_measured and math.isfinite(fs.loss_impact), fs.loss_impact
+        assert fs.local.nonfinite == 0 and fs.local.ref_nonfinite == 3 * BATCH
+    audit = comp.audit
+    assert [m["name"] for m in audit["summary"]["fp32"]["nonfinite"]["modules"]] == ["branch"]
+    assert set(audit["verdict"]["safe_formats"]) == {"bf16", "fp16"}

@@ -397,7 +397,9 @@ class CaptureSession:
                 for y, p in zip(ys, ps):
                     fs.local.update(y, p)
                 if any(y.requires_grad for y in ys):
-                    diffs[fmt] = [(p.detach().float() - y.detach()).to(torch.bfloat16) for y, p in zip(ys, ps)]
+                    # zero where FP32 itself is not finite: FP32's own inf/NaN is no format's loss impact
+                    diffs[fmt] = [torch.where(torch.isfinite(y.detach()), p.detach().float() - y.detach(), 0.0)
+                                  .to(torch.bfloat16) for y, p in zip(ys, ps)]
         finally:
             self._set_rng_state(now)
             self._rerunning = False
