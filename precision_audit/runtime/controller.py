@@ -307,6 +307,9 @@ class PrecisionController:
             raise OptionError("promote_after must be an integer >= 1", found=repr(promote_after))
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise OptionError("max_grad_norm must be a positive finite number or None", found=repr(max_grad_norm))
+        if adaptive and not attribute:
+            raise OptionError("adaptive=True needs attribute=True (promotion acts on the attributed source)",
+                              found="attribute=False")
         if strict:
             policy.check_model(model)
         else:
@@ -350,9 +353,6 @@ class PrecisionController:
         self._own_handle = None
         # Forward hooks in every mode, so that a skipped step names where its non-finite values started; the
         # backward tensor hooks only in adaptive mode (they serve the backward-source rule alone).
-        if adaptive and not attribute:
-            raise OptionError("adaptive=True needs attribute=True (promotion acts on the attributed source)",
-                              found="attribute=False")
         self._probe = _SourceProbe(modules, backward=adaptive) if attribute else None
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
