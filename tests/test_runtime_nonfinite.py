@@ -338,3 +338,22 @@ def test_a_gradscaler_backoff_from_a_too_high_scale_is_routine_info_not_a_warnin
     assert all("every module output was finite: they start in the backward pass" in m.getMessage() for m in skips)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     ctl.close()
+
+
+def test_the_hooks_compile_without_graph_breaks_and_still_name_the_source():
+    """fullgraph=True refuses any graph break: the hooks' compiled path records without id()/weakrefs."""
+    torch.manual_seed(0)
+    model = Chain()
+    fault = {"on": False}
+    model.b.register_forward_hook(lambda m, i, o: o * 1e39 if fault["on"] else o)
+    policy = _chain_policy(model, "fp32")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    ctl = policy.controller(compiled, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    records = []
+    for step in range(3):
+        fault["on"] = step == 2
+        records.append(ctl.step(compiled(torch.randn(4, 8)).pow(2).mean()))
+    assert [r.skipped for r in records] == [False, False, True]
+    assert records[2].sources == ("b",) and "finite inputs" in records[2].source_detail
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    ctl.close()

@@ -45,8 +45,9 @@ was seen, the applied handle is updated in place, the change is logged (WARNING)
 ``controller.save_policy(path)`` writes the updated policy. A source already in fp32 is reported once and
 left alone (it is not a precision problem).
 
-Works on a model wrapped by torch.compile (names and hooks are the inner model's; create the controller
-before the first compiled forward, since hooks added to already-compiled code are not traced) and by DDP.
+Works on a model wrapped by torch.compile (names and hooks are the inner model's; the forward hooks trace
+without graph breaks, the adaptive backward hooks are skipped in compiled code; create the controller before
+the first compiled forward, since hooks added to already-compiled code are not traced) and by DDP.
 """
 
 from __future__ import annotations
@@ -166,6 +167,13 @@ class _SourceProbe:
         Tensor = torch.Tensor
         range_of = self._range_of
         fwd = self.fwd
+        bwd = self.bwd
+        backward = self.backward
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            r = _range(grad)
+            if r is not None:
+                bwd.append((i, r))
 
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not torch.is_grad_enabled():
@@ -182,17 +190,17 @@ class _SourceProbe:
                 if not outs:
                     return
                 ins = _floating_tensors((args, kwargs), [])
+            if torch.compiler.is_compiling():
+                # traced by torch.compile: no memo (id() and weakrefs break the graph), the reductions become
+                # part of the compiled graph; the backward tensor hooks are left out there
+                fwd.append((i, [_range(t) for t in ins if t.numel()], [_range(t) for t in outs if t.numel()]))
+                return
             fwd.append((i, [r for t in ins if (r := range_of(t)) is not None],
                         [r for t in outs if (r := range_of(t)) is not None]))
-            if self.backward:
+            if backward:
                 for t in outs:
                     if t.requires_grad:
                         t.register_hook(grad_hook)
-
-        def grad_hook(grad: torch.Tensor) -> None:
-            r = _range(grad)
-            if r is not None:
-                self.bwd.append((i, r))
 
         return hook
 
