@@ -4,7 +4,9 @@ by hand with torch.amp (autocast + GradScaler), measured in one run.
     python bench/runtime_overhead.py [--repeats 200]
 
 Both loops run the residual-MLP probe (bench/models/residual_mlp.py) under the same emulated BF16 autocast with
-the same optimizer; the policy keeps two modules in FP32 so that per-module switching is exercised.
+the same optimizer; the policy keeps two modules in FP32 so that per-module switching is exercised. The last row
+times the controller after ``controller.close()`` has removed its forward hooks (the ones that name the source
+of a non-finite step), which isolates what those hooks cost on clean steps. The three run in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -38,19 +40,15 @@ def main() -> None:
                     modules={"blocks.0.fc1": ModuleOverride("fp32", "bench"), "head": ModuleOverride("fp32", "bench")},
                     loss_scaling=LossScaling(enabled=False), model_layout=model_layout(model))
 
-    def timed(step) -> float:
-        for _ in range(10):
-            step()
-        ts = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            step()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    def one(step) -> float:
+        t0 = time.perf_counter()
+        step()
+        return time.perf_counter() - t0
 
     with CudaAutocastPolicy():
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
+        box: dict = {}
 
         def by_hand():
             with emulated_autocast(torch.bfloat16):
@@ -60,22 +58,46 @@ def main() -> None:
             scaler.update()
             opt.zero_grad(set_to_none=True)
 
-        base = timed(by_hand)
-        handle = policy.apply(model, device_type="cpu")
-        controller = policy.controller(model, opt, device="cpu")
-
         def with_policy():
             with emulated_autocast(torch.bfloat16):
                 loss = spec(model(*batch.args), batch)
-            controller.step(loss)
+            box["controller"].step(loss)
 
-        ours = timed(with_policy)
-        controller.close()
-        handle.remove()
+        # Interleaved rounds (the order rotating), so that a machine whose load drifts affects all three alike.
+        # Each round: by hand; then with the policy applied and a fresh controller, one step with its source
+        # hooks and, after controller.close() has removed them, one step without.
+        times: dict[str, list[float]] = {"hand": [], "ours": [], "no_hooks": []}
+        for r in range(args.repeats + 5):
+            got: dict[str, float] = {}
+            for what in (("hand", "policy"), ("policy", "hand"))[r % 2]:
+                if what == "hand":
+                    got["hand"] = one(by_hand)
+                    continue
+                handle = policy.apply(model, device_type="cpu")
+                box["controller"] = policy.controller(model, opt, device="cpu")
+                order = ("ours", "no_hooks") if r % 4 < 2 else ("no_hooks", "ours")
+                if order[0] == "no_hooks":
+                    box["controller"].close()
+                got[order[0]] = one(with_policy)
+                box["controller"].close()  # removes the source hooks; steps are still checked and skipped
+                if order[1] == "ours":  # a fresh controller, hooks on
+                    box["controller"] = policy.controller(model, opt, device="cpu")
+                got[order[1]] = one(with_policy)
+                box["controller"].close()
+                handle.remove()
+            if r >= 5:  # warm-up rounds
+                for k, v in got.items():
+                    times[k].append(v)
+        base, ours, no_hooks = (statistics.median(times[k]) for k in ("hand", "ours", "no_hooks"))
+        # the hooks' cost as the median of the paired per-round differences (robust to load drifting by round)
+        hooks = statistics.median(a - b for a, b in zip(times["ours"], times["no_hooks"]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; residual MLP probe, emulated bf16")
     print(f"{'step':<34} {'median ms':>10} {'ratio':>7}")
     print(f"{'by hand (autocast + GradScaler)':<34} {base * 1e3:>10.3f} {1.0:>6.2f}x")
     print(f"{'policy.apply + controller.step':<34} {ours * 1e3:>10.3f} {ours / base:>6.2f}x")
+    print(f"{'  the same without source hooks':<34} {no_hooks * 1e3:>10.3f} {no_hooks / base:>6.2f}x")
+    print(f"source hooks, paired per round: {hooks * 1e3:+.3f} ms per step ({hooks / no_hooks:+.1%} of the step "
+          "without them)")
 
 
 if __name__ == "__main__":

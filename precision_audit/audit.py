@@ -413,7 +413,9 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         "verdict": {"exit_code": exit_code, "safe_formats": safe,
                     "message": _verdict_message(analysis, plan, safe, formats)},
         "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings
-        + _rnn_warning(model, mode),
+        + _rnn_warning(model, mode)
+        # FP32's own non-finite values: said once, and (analysis/findings.py) not held against any format
+        + ([analysis.fp32_nonfinite.describe()] if analysis.fp32_nonfinite.any else []),
     }
     return AuditComputation(audit=clean(audit), policy=policy, exit_code=exit_code, analysis=analysis, plan=plan,
                             capture=capture, model=model)

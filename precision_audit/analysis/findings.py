@@ -77,6 +77,8 @@ class GradientFinding:
     param_fp16_at_recommended: dict[str, float] | None
     output_exponent_histogram: dict[int, int]
     nonfinite: dict[str, int]  # per format: non-finite elements in the format run's gradients
+    fp32_output_nonfinite: int = 0  # non-finite elements of the FP32 reference's dL/dy
+    fp32_param_nonfinite: int = 0  # ... and of its own parameters' FP32 gradients
 
 
 @dataclass
@@ -113,6 +115,54 @@ class LayerFinding:
 
 
 @dataclass(frozen=True)
+class Fp32NonFinite:
+    """Non-finite values the FP32 reference pass itself has (its output and loss are finite, or the audit stops):
+    per module, its own outputs, the gradient arriving at them, and its own parameters' gradients.
+
+    Low-precision formats are judged only on what they add: their error metrics leave out the positions where
+    FP32 is not finite, and their non-finite parameter-gradient count is of positions finite in FP32.
+    """
+
+    modules: list[dict[str, Any]]  # {"name", "type", "outputs", "output_grads", "param_grads"}, forward order
+    outputs: int  # non-finite module-output values (each module counted at its own output; nested ones overlap)
+    output_grads: int
+    param_grads: int  # non-finite parameter-gradient values (each parameter once)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.modules)
+
+    def describe(self, limit: int = 3) -> str:
+        """One sentence for the terminal, the report and the verdicts."""
+        def names(key: str) -> str:
+            hit = [m for m in self.modules if m[key]]
+            shown = ", ".join(f"{m['name'] or '(model)'} ({m[key]:,})" for m in hit[:limit])
+            return shown + (f" and {len(hit) - limit} more" if len(hit) > limit else "")
+
+        parts = []
+        if self.outputs:
+            parts.append(f"{self.outputs:,} non-finite module-output value(s) in {names('outputs')}")
+        if self.param_grads:
+            parts.append(f"{self.param_grads:,} non-finite parameter-gradient value(s) in {names('param_grads')}")
+        if self.output_grads and not self.param_grads:
+            parts.append(f"{self.output_grads:,} non-finite output-gradient value(s) in {names('output_grads')}")
+        return ("FP32 itself has " + "; ".join(parts) + ": not counted against any low-precision format, each is "
+                "judged on what it adds")
+
+
+def fp32_nonfinite(capture: CaptureResult) -> Fp32NonFinite:
+    """What the FP32 reference pass itself left non-finite (its own problems, not low precision's)."""
+    modules = []
+    for r in sorted(capture.layers, key=lambda r: r.order):
+        o, g, p = r.activation.nonfinite, r.grad_output.nonfinite, r.grad_param.nonfinite
+        if o or g or p:
+            modules.append({"name": r.name, "type": r.type, "outputs": o, "output_grads": g, "param_grads": p})
+    return Fp32NonFinite(modules=modules, outputs=sum(m["outputs"] for m in modules),
+                         output_grads=sum(m["output_grads"] for m in modules),
+                         param_grads=sum(m["param_grads"] for m in modules))
+
+
+@dataclass(frozen=True)
 class FormatSummary:
     format: Format
     loss: float | None
@@ -124,6 +174,7 @@ class FormatSummary:
     error: str | None
     safe: bool
     verdict: str
+    param_grads_nonfinite_shared: int = 0  # non-finite where FP32's gradients are not finite either
 
 
 @dataclass
@@ -133,6 +184,7 @@ class Analysis:
     loss_scale: LossScaleFinding | None
     budget: Budget
     reference_loss: float
+    fp32_nonfinite: Fp32NonFinite = field(default_factory=lambda: Fp32NonFinite([], 0, 0, 0))
 
 
 def _grad_fracs(h: MagnitudeHistogram, k: int | None) -> dict[str, float] | None:
@@ -152,8 +204,10 @@ def analyse(capture: CaptureResult, budget: Budget) -> Analysis:
 
     layers = [_layer(r, capture, k_rec) for r in capture.layers]
     ref = capture.reference.loss or 0.0
-    summaries = {f: _summary(capture.runs[f], ref, budget) for f in capture.formats if f in capture.runs}
-    return Analysis(layers=layers, summaries=summaries, loss_scale=ls, budget=budget, reference_loss=ref)
+    fp32_bad = fp32_nonfinite(capture)
+    summaries = {f: _summary(capture.runs[f], ref, budget, fp32_bad) for f in capture.formats if f in capture.runs}
+    return Analysis(layers=layers, summaries=summaries, loss_scale=ls, budget=budget, reference_loss=ref,
+                    fp32_nonfinite=fp32_bad)
 
 
 def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFinding:
@@ -174,6 +228,8 @@ def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFi
         param_fp16_at_recommended=_grad_fracs(r.grad_param, k_rec) if has_params else None,
         output_exponent_histogram=r.grad_output.exponent_histogram(),
         nonfinite={f.value: fs.grad_output.nonfinite + fs.grad_param_nonfinite for f, fs in r.formats.items()},
+        fp32_output_nonfinite=r.grad_output.nonfinite,
+        fp32_param_nonfinite=r.grad_param.nonfinite,
     )
     notes = list(r.notes)
     for f, e in errors.items():
@@ -186,7 +242,8 @@ def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFi
     )
 
 
-def _summary(run: RunRecord, ref_loss: float, budget: Budget) -> FormatSummary:
+def _summary(run: RunRecord, ref_loss: float, budget: Budget,
+             fp32_bad: Fp32NonFinite | None = None) -> FormatSummary:
     fmt = run.format
     if run.error:
         return FormatSummary(fmt, None, None, None, 0, 0, run.loss_scale, run.error, False,
@@ -205,13 +262,18 @@ def _summary(run: RunRecord, ref_loss: float, budget: Budget) -> FormatSummary:
             problems.append(f"loss changes by {loss_change:.2e} > budget {budget.max_loss_rel_change:g}")
         if out_err > budget.max_output_rel_error:
             problems.append(f"output error {out_err:.2e} > budget {budget.max_output_rel_error:g}")
+    # Only the non-finite gradients this format adds (positions finite in FP32) count against it: FP32's own
+    # are the model's problem, reported once in summary.fp32.nonfinite (README.md, audit.json).
     if run.param_grads_nonfinite:
-        problems.append(f"{run.param_grads_nonfinite} non-finite parameter gradient element(s) at loss scale {run.loss_scale:g}")
+        problems.append(f"{run.param_grads_nonfinite} non-finite parameter gradient element(s) at loss scale "
+                        f"{run.loss_scale:g} where FP32's are finite")
     safe = not problems
     verdict = (f"safe as is: loss change {loss_change:.2e}, output error {out_err:.2e}" if safe
                else "unsafe as is: " + "; ".join(problems))
+    if fp32_bad is not None and fp32_bad.any:
+        verdict += " (judged on what it adds: FP32 itself has non-finite values, see the FP32 row)"
     return FormatSummary(fmt, run.loss, loss_change, out, run.output_nonfinite, run.param_grads_nonfinite,
-                         run.loss_scale, None, safe, verdict)
+                         run.loss_scale, None, safe, verdict, run.param_grads_nonfinite_shared)
 
 
 def finite_or_none(x: Any) -> Any:

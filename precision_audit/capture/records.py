@@ -43,7 +43,7 @@ class FormatLayerStats:
     local_note: str | None = None  # why local error is not measured, when it is not
     activation: RangeSummary = field(default_factory=RangeSummary)  # outputs as computed in p
     grad_output: RangeSummary = field(default_factory=RangeSummary)  # dL/dy in p, times loss scale
-    grad_param_nonfinite: int = 0
+    grad_param_nonfinite: int = 0  # own parameters' non-finite gradient elements where FP32's are finite
     output_dtypes: set[str] = field(default_factory=set)
     calls: int = 0
     unmatched_calls: int = 0  # calls with no reference counterpart (control flow differed)
@@ -95,7 +95,8 @@ class RunRecord:
     loss_scale: float = 1.0
     output: ErrorStats | None = None  # the model output vs the fp32 reference (None for the reference)
     output_nonfinite: int = 0
-    param_grads_nonfinite: int = 0
+    param_grads_nonfinite: int = 0  # non-finite parameter-gradient elements where FP32's gradient is finite
+    param_grads_nonfinite_shared: int = 0  # non-finite where FP32's gradient is not finite either
     error: str | None = None  # the model raised in this format: the run is not measured
     wall_s: float | None = None  # the instrumented pass, for progress only
 

@@ -133,6 +133,9 @@ class CaptureSession:
         self.grad_all = MagnitudeHistogram()
         self.reference: RunRecord | None = None
         self.runs: dict[Format, RunRecord] = {}
+        # parameter -> where its FP32 gradient is not finite (only parameters that have such positions): a format
+        # pass is judged on the non-finite gradients it adds, not on FP32's own (README.md, audit.json)
+        self._ref_grad_nonfinite: dict[int, torch.Tensor] = {}
         self.step_times: dict[str, list[float]] = {}
         self.memory: dict[str, dict[str, int]] = {}
         self._prof_stack: list[tuple[int, Any, Any]] = []
@@ -463,7 +466,9 @@ class CaptureSession:
                 for y, p in zip(ys, ps):
                     fs.local.update(y, p)
                 if any(y.requires_grad for y in ys):
-                    diffs[fmt] = [(p.detach().float() - y.detach()).to(torch.bfloat16) for y, p in zip(ys, ps)]
+                    # zero where FP32 itself is not finite: FP32's own inf/NaN is no format's loss impact
+                    diffs[fmt] = [torch.where(torch.isfinite(y.detach()), p.detach().float() - y.detach(), 0.0)
+                                  .to(torch.bfloat16) for y, p in zip(ys, ps)]
         finally:
             self._set_rng_state(now)
             self._rerunning = False
@@ -574,7 +579,9 @@ class CaptureSession:
             lval = float(loss.detach().float())
             outs = float_tensors(out)
             bad = sum(int((~torch.isfinite(y)).sum()) for y in outs)
-            if bad or not torch.isfinite(loss.detach()).item():
+            # Non-finite output values the loss does not use (its value is finite) are FP32's own, reported in
+            # summary.fp32.nonfinite and left out of every comparison; a non-finite loss leaves nothing to compare.
+            if not torch.isfinite(loss.detach()).item():
                 raise NumericsError(
                     "the FP32 reference is already not finite, so there is nothing to compare low precision against",
                     found=f"loss = {lval}, {bad} non-finite output element(s)",
@@ -605,6 +612,8 @@ class CaptureSession:
                 seen[id(p)] = h
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
+                if h.nonfinite:
+                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(p.grad.detach())
         self._clone_cache.clear()
         self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
@@ -645,19 +654,36 @@ class CaptureSession:
         if root is not None and fmt in root.formats:
             run.output = root.formats[fmt].accumulated
             run.output_nonfinite = run.output.nonfinite
+        seen: set[int] = set()
         for mid, rec in self.layers.items():
             fs = rec.formats.setdefault(fmt, FormatLayerStats())
             for p in self._modules[mid].parameters(recurse=False):
-                if p.grad is not None:
-                    fs.grad_param_nonfinite += int((~torch.isfinite(p.grad)).sum())
-        run.param_grads_nonfinite = sum(int((~torch.isfinite(p.grad)).sum())
-                                        for p in self.model.parameters() if p.grad is not None)
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    added, shared = self._grad_nonfinite(p)
+                    fs.grad_param_nonfinite += added
+                    run.param_grads_nonfinite += added
+                    run.param_grads_nonfinite_shared += shared
+        for p in self.model.parameters():  # parameters no module that ran owns
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                added, shared = self._grad_nonfinite(p)
+                run.param_grads_nonfinite += added
+                run.param_grads_nonfinite_shared += shared
         if root is not None and fmt in root.formats and root.formats[fmt].local is None:
             root.formats[fmt].local = copy.deepcopy(root.formats[fmt].accumulated)
         run.wall_s = time.perf_counter() - t0
         self._stat_cache.clear()
         self.runs[fmt] = run
         return run
+
+    def _grad_nonfinite(self, p: torch.Tensor) -> tuple[int, int]:
+        """(non-finite gradient elements of ``p`` where FP32's is finite, those where FP32's is not finite too)."""
+        bad = ~torch.isfinite(p.grad.detach())
+        ref = self._ref_grad_nonfinite.get(id(p))
+        if ref is None or ref.shape != bad.shape:
+            return int(bad.sum()), 0
+        return int((bad & ~ref).sum()), int((bad & ref).sum())
 
     def verify_plan(self, policy: Any, default: Format | None) -> RunRecord:
         """One forward with ``policy`` applied (runtime's Policy.apply): its loss and output vs the FP32 reference.

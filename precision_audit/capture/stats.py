@@ -212,6 +212,9 @@ class ErrorStats:
     sum_p2: float = 0.0
     max_abs: float = 0.0
     nonfinite: int = 0  # non-finite elements in y_p where y is finite
+    # Elements where the reference y itself is not finite: left out of every metric above, so that a format is
+    # judged only on what it adds to FP32 (README.md, "FP32's own non-finite values").
+    ref_nonfinite: int = 0
 
     def update(self, ref: torch.Tensor, p: torch.Tensor) -> None:
         if ref.shape != p.shape:
@@ -221,6 +224,12 @@ class ErrorStats:
         self.n += r.numel()
         if r.numel() == 0:
             return
+        finite_ref = torch.isfinite(r)
+        if not bool(finite_ref.all()):
+            self.ref_nonfinite += int((~finite_ref).sum())
+            r, q = r[finite_ref], q[finite_ref]
+            if r.numel() == 0:
+                return
         if not bool(torch.isfinite(q).all()):
             self.nonfinite += int((~torch.isfinite(q)).sum())
         d = q - r
@@ -238,6 +247,7 @@ class ErrorStats:
         self.sum_p2 += o.sum_p2
         self.max_abs = max(self.max_abs, o.max_abs)
         self.nonfinite += o.nonfinite
+        self.ref_nonfinite += o.ref_nonfinite
 
     @property
     def rel_l2(self) -> float:

@@ -424,7 +424,8 @@ class Policy:
     def controller(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, adaptive: bool = False,
                    promote_after: int = 3, device: str | torch.device | None = None,
                    max_grad_norm: float | None = None, process_group: Any = None, strict: bool = True,
-                   monitor: Any = None, spike_window: int = 50, spike_factor: float = 3.0) -> "PrecisionController":
+                   monitor: Any = None, spike_window: int = 50, spike_factor: float = 3.0,
+                   attribute: bool = True) -> "PrecisionController":
         """A :class:`~precision_audit.runtime.PrecisionController` whose ``step(loss)`` does the scaled backward,
         unscale, non-finite check, optimizer step and scaler update, and feeds the stability monitor.
 
@@ -441,7 +442,7 @@ class Policy:
         return PrecisionController(self, model, optimizer, adaptive=adaptive, promote_after=promote_after,
                                    device=device, max_grad_norm=max_grad_norm, process_group=process_group,
                                    strict=strict, monitor=monitor, spike_window=spike_window,
-                                   spike_factor=spike_factor)
+                                   spike_factor=spike_factor, attribute=attribute)
 
     # -- JSON ------------------------------------------------------------------------------------------------
 

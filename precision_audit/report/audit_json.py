@@ -38,7 +38,7 @@ def error_dict(e: ErrorStats | None) -> dict[str, Any] | None:
     # ("nonfinite" > 0); JSON has no infinity.
     return {"rel_l2": e.rel_l2, "sqnr_db": e.sqnr_db, "max_abs": e.max_abs if not e.nonfinite else math.inf,
             "cosine": e.cosine, "nonfinite": e.nonfinite, "elements": e.n,
-            "exact": e.nonfinite == 0 and e.sum_diff2 == 0}
+            "exact": e.nonfinite == 0 and e.sum_diff2 == 0, "fp32_nonfinite": e.ref_nonfinite}
 
 
 def _range_dict(r: RangeFinding) -> dict[str, Any]:
@@ -84,6 +84,7 @@ def layer_dict(L: LayerFinding, plan: Plan, perf: "LayerPerformance | None", tim
                 "amax": g.param_amax, "fp16": {"unscaled": g.param_fp16_unscaled,
                                                "at_recommended": g.param_fp16_at_recommended}},
             "nonfinite": g.nonfinite,
+            "fp32_nonfinite": {"output": g.fp32_output_nonfinite, "parameters": g.fp32_param_nonfinite},
         },
         "alignment": perf.alignment if perf else None,
         "alignment_note": (None if perf and perf.alignment else
@@ -115,13 +116,21 @@ def summary_dict(analysis: Analysis, step_times: dict[str, list[float]], time_la
                                if est is not None else f"not estimated: {target_name} has no peak for this format"),
         }
 
-    out: dict[str, Any] = {"fp32": {"loss": analysis.reference_loss, "step_time": times("fp32")}}
+    bad = analysis.fp32_nonfinite
+    out: dict[str, Any] = {"fp32": {
+        "loss": analysis.reference_loss, "step_time": times("fp32"),
+        # FP32's own non-finite values (its loss and output are finite, or the audit stops): the model's problem,
+        # not counted against any format (README.md, audit.json)
+        "nonfinite": {"outputs": bad.outputs, "output_grads": bad.output_grads, "param_grads": bad.param_grads,
+                      "modules": bad.modules, "note": bad.describe() if bad.any else None},
+    }}
     for f, s in analysis.summaries.items():
         out[f.value] = {
             "loss": s.loss,
             "loss_rel_change": s.loss_rel_change,
             "output": error_dict(s.output),
-            "nonfinite": {"outputs": s.output_nonfinite, "param_grads": s.param_grads_nonfinite},
+            "nonfinite": {"outputs": s.output_nonfinite, "param_grads": s.param_grads_nonfinite,
+                          "param_grads_also_in_fp32": s.param_grads_nonfinite_shared},
             "loss_scale": s.loss_scale,
             "pass_error": s.error,
             "safe": s.safe,

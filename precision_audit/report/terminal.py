@@ -164,6 +164,9 @@ def summary_text(audit: dict[str, Any]) -> str:
 
     lines.append(f"  {'fp32':<7} {fmt_num(summary['fp32']['loss'], 6):>12} {'—':>12} {'—':>11} {'—':>10}{est('fp32')}"
                  "  reference")
+    fp32_note = (summary["fp32"].get("nonfinite") or {}).get("note")
+    if fp32_note:  # FP32's own non-finite values: said here so that no format seems to be blamed for them
+        lines.append(f"  note: {fp32_note}")
     for f in audit["formats"]:
         s = summary[f]
         out = s["output"]["rel_l2"] if s.get("output") else None

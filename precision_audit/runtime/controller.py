@@ -4,39 +4,50 @@
 
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
-    total gradient norm; under torch.distributed: all-reduce (MAX) of the GradScaler's found_inf
+    total gradient norm; under torch.distributed: all-reduce (MAX) of found_inf and "norm not finite"
     [clip to max_grad_norm]
     one device sync (loss, norm, found_inf, scale)
-    per-module non-finite check (only on a step whose gradients are not all finite)
-    scaler.step(optimizer); scaler.update(); optimizer.zero_grad(set_to_none=True)
-    monitor.observe(...)
+    only if found_inf or the norm is not finite: per-module non-finite scan (decides the skip, agreed across
+    ranks) and the source attribution (forward hooks' records, one more sync)
+    scaler.step(optimizer) -- skipped whenever a gradient is non-finite, in every format; scaler.update()
+    optimizer.zero_grad(set_to_none=True); monitor.observe(...)
 
 Without faults the GradScaler's state is step for step the one of the plain loop (tests/test_runtime.py).
+
+**No non-finite update, in any format** (DESIGN §7, docs/policy.md). With a GradScaler, a non-finite gradient
+makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients
+the GradScaler does not see: optimizer parameters it was not given). Without one (bf16, fp32, fp16 with loss
+scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm is only the gate: a
+norm that overflows from finite gradients does not skip. Skipped steps are counted
+(``controller.skipped_steps``) and logged at WARNING, with their source; a GradScaler backoff from an overflow
+in the scaled backward (finite forward, scale > 1) is routine and logged at INFO.
 
 **Distributed.** A rank's GradScaler only sees its own gradients. DDP averages gradients during backward, so
 an inf on one rank usually reaches all, but not always (``no_sync`` accumulation, parameters outside DDP,
 hand-written gradient sync). Under an initialised process group with more than one rank the controller
-all-reduces (MAX) the found_inf flags before ``scaler.step``, so every rank skips the same steps and their
-scales stay equal; in adaptive mode it all-reduces the per-module findings too, so every rank promotes the
-same modules.
+all-reduces (MAX) the flags before ``scaler.step``, so every rank skips the same steps and their scales stay
+equal; it all-reduces the findings too, so every rank names (and promotes) the same module.
 
-**Adaptive mode** (``adaptive=True``). Forward hooks on every module record, per call, whether the floating
-inputs were finite and the outputs not, and tensor hooks on the outputs whether the incoming gradient was
-finite. On a step with non-finite gradients the controller finds where they started:
+**Source attribution** (every mode). Forward hooks on every module record, per call, the (min, max) of its
+floating inputs and outputs as device tensors (no sync on a clean step). On a step with non-finite gradients
+the *source* is the first module, in the order the calls finished, whose output was non-finite although its
+inputs were finite (an activation overflow, e.g. fp16's 65504, or a real fault). Loss scaling cannot fix it.
 
-- *forward source*: the innermost module whose output was non-finite although its inputs were finite (an
-  activation overflow, e.g. fp16's 65504). Loss scaling cannot fix this.
-- *backward source*: the innermost module whose gradient arriving at its output was finite but whose
-  parameters' gradients were not, counted only when the loss scale is already <= 1 (or scaling is off): above
-  that, an overflow in backward is the GradScaler's to fix by backing off, and it will.
+**Adaptive mode** (``adaptive=True``) adds tensor hooks on the outputs recording whether the incoming gradient
+was finite, for a *backward source*: the innermost module whose gradient arriving at its output was finite but
+whose parameters' gradients were not, counted only when the whole forward was finite (else the module after
+a forward source would be blamed) and the loss scale is already <= 1 (or scaling is off): above that, an
+overflow in backward is the GradScaler's to fix by backing off, and it will.
 
 A module that is a source for ``promote_after`` consecutive steps (default 3) while running in fp16 or bf16
-is promoted to fp32 in the controller's copy of the policy (``controller.policy``), the applied handle is
-updated in place, the change is logged (WARNING), and ``controller.save_policy(path)`` writes the updated
-policy. A source already in fp32 is reported once and left alone (it is not a precision problem).
+is promoted to fp32 in the controller's copy of the policy (``controller.policy``) with a reason quoting what
+was seen, the applied handle is updated in place, the change is logged (WARNING), and
+``controller.save_policy(path)`` writes the updated policy. A source already in fp32 is reported once and
+left alone (it is not a precision problem).
 
-Works on a model wrapped by torch.compile (names and hooks are the inner model's; create the controller
-before the first compiled forward, since hooks added to already-compiled code are not traced) and by DDP.
+Works on a model wrapped by torch.compile (names and hooks are the inner model's; the forward hooks trace
+without graph breaks, the adaptive backward hooks are skipped in compiled code; create the controller before
+the first compiled forward, since hooks added to already-compiled code are not traced) and by DDP.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import logging
 import math
 import os
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +71,9 @@ log = logging.getLogger(__name__)
 #: A gradient overflow in backward counts towards promotion only once the loss scale is this low: above it,
 #: the GradScaler backs off and the overflow goes away by itself.
 BACKWARD_SOURCE_MAX_SCALE = 1.0
+
+#: The name under which gradients of optimizer parameters that are not the model's are reported.
+OUTSIDE_THE_MODEL = "(outside the model)"
 
 
 def _floating_tensors(x: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -78,8 +93,7 @@ def _range(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(min, max) of ``t`` in one kernel; both are non-finite iff some element is (aminmax propagates NaN)."""
     if t.numel() == 0:
         return None
-    with torch.no_grad():
-        return torch.aminmax(t.detach())
+    return torch.aminmax(t.detach())  # detached: no graph, no need for a no_grad context (cheaper per call)
 
 
 def _innermost(names: set[str]) -> list[str]:
@@ -91,16 +105,48 @@ def _innermost(names: set[str]) -> list[str]:
     return sorted(keep)
 
 
+def _kind(values: list[float]) -> str:
+    """What non-finite values a list of (min, max) pairs shows: "+inf", "-inf", "NaN" or a combination."""
+    kinds = []
+    if any(math.isnan(v) for v in values):
+        kinds.append("NaN")
+    if any(v == math.inf for v in values):
+        kinds.append("+inf")
+    if any(v == -math.inf for v in values):
+        kinds.append("-inf")
+    return "/".join(kinds) or "non-finite"
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Where a step's non-finite gradients started, decided before the optimizer step (DESIGN §7, docs/policy.md).
+
+    ``source``: the first module, in the order the forward calls finished, whose floating output was non-finite
+    although its floating inputs were finite, or None; ``detail``: what was seen there (quoted in logs and
+    promotion reasons); ``forward_nonfinite``: some module output was non-finite in this step's forward;
+    ``backward``: adaptive mode only, modules whose parameter gradients went non-finite from a finite output
+    gradient (counted only when the forward was finite and the loss scale is <= 1).
+    """
+
+    source: str | None
+    detail: str
+    forward_nonfinite: bool
+    backward: tuple[str, ...] = ()
+
+
 class _SourceProbe:
-    """Forward hooks recording, per module call, the (min, max) of its floating inputs and outputs, and tensor
-    hooks recording those of the gradient arriving at its outputs.
+    """Forward hooks recording, per module call, the (min, max) of its floating inputs and outputs, and (with
+    ``backward=True``) tensor hooks recording those of the gradient arriving at its outputs.
 
     The values stay tensors (no device sync) until :meth:`evaluate` runs on a step that found non-finite
     gradients; a tensor seen twice in a step (one module's output is the next one's input) is reduced once.
+    Records are kept in the order the calls finished, so a child comes before its parent and an earlier layer
+    before a later one.
     """
 
-    def __init__(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], backward: bool) -> None:
         self.names = [n for n, _ in modules]
+        self.backward = backward
         self.fwd: list[tuple[int, list, list]] = []  # (module index, input ranges, output ranges)
         self.bwd: list[tuple[int, tuple]] = []  # (module index, output-gradient range)
         self._memo: dict[int, tuple[weakref.ref, int, Any]] = {}
@@ -108,31 +154,53 @@ class _SourceProbe:
                         for i, (_, m) in enumerate(modules)]
 
     def _range_of(self, t: torch.Tensor) -> Any:
-        hit = self._memo.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
+        key = id(t)
+        version = t._version
+        hit = self._memo.get(key)
+        if hit is not None and hit[1] == version and hit[0]() is t:
             return hit[2]
         r = _range(t)
-        self._memo[id(t)] = (weakref.ref(t), t._version, r)
+        self._memo[key] = (weakref.ref(t), version, r)
         return r
 
     def _make_hook(self, i: int):
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            outs = _floating_tensors(output, [])
-            if not outs:
-                return
-            ins = _floating_tensors((args, kwargs), [])
-            self.fwd.append((i, [r for t in ins if (r := self._range_of(t)) is not None],
-                             [r for t in outs if (r := self._range_of(t)) is not None]))
-            for t in outs:
-                if t.requires_grad:
-                    t.register_hook(grad_hook)
+        Tensor = torch.Tensor
+        range_of = self._range_of
+        fwd = self.fwd
+        bwd = self.bwd
+        backward = self.backward
 
         def grad_hook(grad: torch.Tensor) -> None:
             r = _range(grad)
             if r is not None:
-                self.bwd.append((i, r))
+                bwd.append((i, r))
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            # the common case (one tensor in, one out) without the generic walk: this runs on every call
+            if type(output) is Tensor and not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+                if not output.is_floating_point():
+                    return
+                outs = [output]
+                x = args[0]
+                ins = [x] if x.is_floating_point() else []
+            else:
+                outs = _floating_tensors(output, [])
+                if not outs:
+                    return
+                ins = _floating_tensors((args, kwargs), [])
+            if torch.compiler.is_compiling():
+                # traced by torch.compile: no memo (id() and weakrefs break the graph), the reductions become
+                # part of the compiled graph; the backward tensor hooks are left out there
+                fwd.append((i, [_range(t) for t in ins if t.numel()], [_range(t) for t in outs if t.numel()]))
+                return
+            fwd.append((i, [r for t in ins if (r := range_of(t)) is not None],
+                        [r for t in outs if (r := range_of(t)) is not None]))
+            if backward:
+                for t in outs:
+                    if t.requires_grad:
+                        t.register_hook(grad_hook)
 
         return hook
 
@@ -148,8 +216,13 @@ class _SourceProbe:
         self.clear()
 
     def evaluate(self, nonfinite_params: set[str], backward_counts: bool, device: torch.device,
-                 reduce: Any) -> tuple[list[str], list[str]]:
-        """(forward sources, backward sources), innermost only; ``reduce`` all-reduces a flag tensor (MAX)."""
+                 reduce: Any) -> Attribution:
+        """Where this step's non-finite values started; ``reduce`` all-reduces a tensor (MAX) across ranks.
+
+        One device sync for the recorded ranges, one all-reduce: per module, minus the position of its first
+        call that was a forward source (MAX of negatives = the earliest), the backward-source flags, and
+        whether any forward output was non-finite; so every rank names the same source.
+        """
         flat: list[torch.Tensor] = []
 
         def add(ranges: list) -> tuple[int, int]:
@@ -161,13 +234,23 @@ class _SourceProbe:
 
         spans = [(i, add(ins), add(outs)) for i, ins, outs in self.fwd]
         gspans = [(i, add([r])) for i, r in self.bwd]
-        finite = torch.isfinite(torch.stack(flat)).tolist() if flat else []
-        bad = lambda span: not all(finite[span[0]:span[1]])  # noqa: E731
+        vals = torch.stack(flat).tolist() if flat else []
+        bad = lambda span: not all(math.isfinite(v) for v in vals[span[0]:span[1]])  # noqa: E731
         n = len(self.names)
-        fwd_src = [0.0] * n
-        for i, ins, outs in spans:
-            if bad(outs) and not bad(ins):
-                fwd_src[i] = 1.0
+        none = -float(len(spans) + 1)
+        first = [none] * n
+        local_detail: dict[int, str] = {}
+        any_fwd_bad = 0.0
+        for pos, (i, ins, outs) in enumerate(spans):
+            if not bad(outs):
+                continue
+            any_fwd_bad = 1.0
+            if bad(ins) or first[i] != none:
+                continue
+            first[i] = -float(pos)
+            amax = max((abs(v) for v in vals[ins[0]:ins[1]]), default=None)
+            local_detail[i] = (f"its output went non-finite ({_kind(vals[outs[0]:outs[1]])}) from finite inputs"
+                               + (f" (max |input| {amax:.3g})" if amax is not None else " (no floating inputs)"))
         grad_seen = [False] * n
         grad_bad = [False] * n
         for i, span in gspans:
@@ -179,10 +262,19 @@ class _SourceProbe:
                 if grad_seen[i] and not grad_bad[i] and any(
                         name == "" or p == name or p.startswith(name + ".") for p in nonfinite_params):
                     bwd_src[i] = 1.0
-        agreed = reduce(torch.tensor(fwd_src + bwd_src, device=device)).tolist()
-        fwd = {self.names[i] for i in range(n) if agreed[i]}
-        bwd = {self.names[i] for i in range(n) if agreed[n + i]}
-        return _innermost(fwd), _innermost(bwd)
+        agreed = reduce(torch.tensor(first + bwd_src + [any_fwd_bad], device=device, dtype=torch.float64)).tolist()
+        forward_nonfinite = agreed[-1] > 0
+        best = max(range(n), key=lambda i: agreed[i]) if n else None
+        source = None
+        detail = ""
+        if best is not None and agreed[best] > none:
+            source = self.names[best]
+            detail = local_detail.get(best, "its output went non-finite from finite inputs (on another rank)")
+        # A non-finite forward explains the gradients; backward sources only count after a finite forward
+        # (otherwise the module after the source, whose output gradient is still finite, would be blamed).
+        bwd = () if forward_nonfinite else tuple(
+            _innermost({self.names[i] for i in range(n) if agreed[n + i]}))
+        return Attribution(source, detail, forward_nonfinite, bwd)
 
 
 class PrecisionController:
@@ -205,14 +297,16 @@ class PrecisionController:
     (the GradScaler's device type; default: the parameters'), ``max_grad_norm`` (clip the unscaled gradients
     to this total norm), ``process_group`` (for the distributed agreement; default: the default group),
     ``strict`` (refuse a model whose fingerprint differs; default True), ``monitor`` (a
-    :class:`StabilityMonitor` to use) or ``spike_window`` / ``spike_factor`` (to configure a new one).
+    :class:`StabilityMonitor` to use) or ``spike_window`` / ``spike_factor`` (to configure a new one),
+    ``attribute`` (default True: forward hooks that name the source of a non-finite step; False saves their
+    cost on clean steps, and skipped steps are then still skipped and counted, without a source).
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  adaptive: bool = False, promote_after: int = 3, device: str | torch.device | None = None,
                  max_grad_norm: float | None = None, process_group: Any = None, strict: bool = True,
                  monitor: StabilityMonitor | None = None, spike_window: int = 50,
-                 spike_factor: float = 3.0) -> None:
+                 spike_factor: float = 3.0, attribute: bool = True) -> None:
         if not isinstance(policy, Policy):
             raise OptionError("the controller needs a Policy", found=type(policy).__name__)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -221,6 +315,9 @@ class PrecisionController:
             raise OptionError("promote_after must be an integer >= 1", found=repr(promote_after))
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise OptionError("max_grad_norm must be a positive finite number or None", found=repr(max_grad_norm))
+        if adaptive and not attribute:
+            raise OptionError("adaptive=True needs attribute=True (promotion acts on the attributed source)",
+                              found="attribute=False")
         if strict:
             policy.check_model(model)
         else:
@@ -245,18 +342,29 @@ class PrecisionController:
             self._params.extend(own)
             if own:
                 self._module_params.append((name, own))
+        # Parameters the optimizer updates that are not the model's (a learnable loss temperature, say): their
+        # gradients are checked too, since a non-finite one would reach the optimizer just the same.
+        outside = [p for g in optimizer.param_groups for p in g["params"]
+                   if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen]
+        outside = list({id(p): p for p in outside}.values())
+        if outside:
+            self._params.extend(outside)
+            self._module_params.append((OUTSIDE_THE_MODEL, outside))
         if device is None:
             device = self._params[0].device.type if self._params else "cpu"
         self.device_type = torch.device(device).type if not isinstance(device, str) else device.split(":")[0]
         self.scaler = policy.grad_scaler(self.device_type)
         self._step = 0
-        self._streaks: dict[str, int] = {}
+        self._skipped = 0
+        self._streaks: dict[str, list[int]] = {}
         self._reported_fp32_sources: set[str] = set()
         self._own_handle = None
-        self._probe = _SourceProbe(modules) if adaptive else None
-        if adaptive and type(model).__name__ == "OptimizedModule":
-            log.info("adaptive controller on a torch.compile'd model: its hooks are traced only by code compiled "
-                     "after this point")
+        # Forward hooks in every mode, so that a skipped step names where its non-finite values started; the
+        # backward tensor hooks only in adaptive mode (they serve the backward-source rule alone).
+        self._probe = _SourceProbe(modules, backward=adaptive) if attribute else None
+        if type(model).__name__ == "OptimizedModule":
+            log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
+                     "this point")
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -269,12 +377,18 @@ class PrecisionController:
     def steps(self) -> int:
         return self._step
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose optimizer update was skipped because a gradient was non-finite (a running count)."""
+        return self._skipped
+
     def save_policy(self, path: str | os.PathLike[str]) -> None:
         """Write :attr:`policy` (with any promotions) to ``path`` atomically."""
         save_policy(self._policy, path)
 
     def close(self) -> None:
-        """Remove the adaptive hooks (and a handle the controller applied itself). The scaler stays usable."""
+        """Remove the controller's hooks (and a handle it applied itself). The scaler stays usable; later steps
+        are still checked and skipped, but no longer name a source."""
         if self._probe is not None:
             self._probe.remove()
             self._probe = None
@@ -283,13 +397,15 @@ class PrecisionController:
             self._own_handle = None
 
     def step(self, loss: torch.Tensor) -> StepRecord:
-        """Backward, unscale, non-finite check, optimizer step, scaler update, zero_grad; returns the record."""
+        """Backward, unscale, non-finite check, optimizer step (skipped if any gradient is non-finite), scaler
+        update, zero_grad; returns the step's record."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise OptionError("controller.step(loss) takes the loss as a one-element tensor",
                               found=type(loss).__name__ if not isinstance(loss, torch.Tensor) else
                               f"a tensor of shape {tuple(loss.shape)}")
         self._step += 1
         scaler, opt = self.scaler, self.optimizer
+        attribution: Attribution | None = None
         try:
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
@@ -303,8 +419,11 @@ class PrecisionController:
                 found = found_infs[0].to(dev).reshape(()).float()
             else:
                 found = torch.stack([v.to(dev).reshape(()) for v in found_infs]).sum().float()
+            # A non-finite total norm is the cheap gate (no extra pass over the gradients on a clean step); the
+            # per-module scan below decides, since a norm can also overflow from finite gradients.
             flags = torch.stack([found, (~torch.isfinite(norm)).float()])
-            if self._distributed():
+            distributed = self._distributed()
+            if distributed:
                 import torch.distributed as dist
 
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -318,24 +437,43 @@ class PrecisionController:
                 [loss.detach().float().reshape(1), norm.reshape(1), flags, scale_t]).tolist()
             scale_used = scale_v if scaler.is_enabled() else None
             bad = found_v > 0 or bad_norm > 0
-            nonfinite = self._scan_modules() if bad else ()
-            fwd_src: list[str] = []
-            bwd_src: list[str] = []
-            if bad and self._probe is not None:
-                backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
-                fwd_src, bwd_src = self._probe.evaluate(set(nonfinite), backward_counts, dev, self._reduce_max)
-            scaler.step(opt)
+            nonfinite: tuple[str, ...] = ()
+            skip = False
+            if bad:  # every rank gets here together (the flags are agreed), so the collectives below match
+                nonfinite = self._scan_modules()
+                mine = torch.tensor([1.0 if nonfinite else 0.0], device=dev)
+                skip = found_v > 0 or self._reduce_max(mine).item() > 0
+                if self._probe is not None:
+                    backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
+                    attribution = self._probe.evaluate({n for n in nonfinite if n != OUTSIDE_THE_MODEL},
+                                                       backward_counts, dev, self._reduce_max)
+                if skip and found_v == 0:
+                    # non-finite where the GradScaler does not look (parameters outside the optimizer): make it
+                    # skip and back off as it does for its own finds
+                    for v in found_infs:
+                        v.fill_(1.0)
+            # The update: never with a non-finite gradient, whatever the format (DESIGN §7). A disabled scaler's
+            # step() is a plain optimizer.step(), so a skipped step does not call it at all.
+            if not skip or scaler.is_enabled():
+                scaler.step(opt)
             scaler.update()
         finally:
             if self._probe is not None:
                 self._probe.clear()
         opt.zero_grad(set_to_none=True)
-        skipped = scaler.is_enabled() and found_v > 0
-        promoted = self._adapt(fwd_src, bwd_src) if self.adaptive else ()
-        return self.monitor.observe(step=self._step, loss=loss_v, scale=scale_used, skipped=skipped,
-                                    grad_norm=norm_v, nonfinite_modules=nonfinite,
-                                    sources=tuple(fwd_src) + tuple(n for n in bwd_src if n not in fwd_src),
-                                    promoted=promoted)
+        if skip:
+            self._skipped += 1
+            self._report_skip(loss_v, scale_used, nonfinite, attribution)
+        sources: tuple[str, ...] = ()
+        if attribution is not None:
+            sources = ((attribution.source,) if attribution.source is not None else ()) + tuple(
+                n for n in attribution.backward if n != attribution.source)
+        promoted = self._adapt(attribution) if self.adaptive else ()
+        return self.monitor.observe(step=self._step, loss=loss_v, scale=scale_used, skipped=skip,
+                                    grad_norm=norm_v, nonfinite_modules=nonfinite, sources=sources,
+                                    promoted=promoted,
+                                    source_detail=attribution.detail if attribution and attribution.source is not None
+                                    else "")
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -381,10 +519,38 @@ class PrecisionController:
         vals = torch.stack([c.to(dev) for _, c in checks]).tolist()
         return tuple(name for (name, _), v in zip(checks, vals) if v)
 
-    def _adapt(self, fwd_src: list[str], bwd_src: list[str]) -> tuple[str, ...]:
-        kinds = {n: "its output overflowed from finite inputs" for n in fwd_src}
-        kinds.update({n: "its gradients overflowed at loss scale <= 1" for n in bwd_src if n not in kinds})
-        streaks = {n: self._streaks.get(n, 0) + 1 for n in kinds}
+    def _report_skip(self, loss_v: float, scale: float | None, nonfinite: tuple[str, ...],
+                      a: Attribution | None) -> None:
+        """Log a skipped step: WARNING, except a GradScaler backoff from an overflow in the scaled backward
+        (finite forward, scale above 1), which is the loss scaler's routine and logged at INFO."""
+        where = (f" in {', '.join(n or '(root)' for n in nonfinite[:6])}{' ...' if len(nonfinite) > 6 else ''}"
+                 if nonfinite else "")
+        if a is not None and a.source is not None:
+            origin = f"they start in {a.source or '(root)'!r}: {a.detail}"
+        elif a is not None and a.forward_nonfinite:
+            origin = "no module turned finite inputs into non-finite outputs (the model's inputs were not finite)"
+        elif a is not None and a.backward:
+            origin = f"they start in the backward pass of {', '.join(repr(n) for n in a.backward)}"
+        elif a is not None and not math.isfinite(loss_v):
+            origin = "every module output was finite: they start in the loss"
+        elif a is not None:
+            origin = "every module output was finite: they start in the backward pass"
+        else:
+            origin = "no source recorded (attribute=False, or controller.close() removed the hooks)"
+        routine = (scale is not None and scale > BACKWARD_SOURCE_MAX_SCALE and math.isfinite(loss_v)
+                   and (a is None or not a.forward_nonfinite))
+        level = logging.INFO if routine else logging.WARNING
+        log.log(level, "step %d skipped: non-finite gradients%s; %s%s (%d step(s) skipped so far)", self._step,
+                where, origin, f"; loss scale {scale:g} backs off" if scale is not None else "", self._skipped)
+
+    def _adapt(self, a: Attribution | None) -> tuple[str, ...]:
+        kinds: dict[str, str] = {}
+        if a is not None and a.source is not None:
+            kinds[a.source] = a.detail
+        for n in (a.backward if a is not None else ()):
+            kinds.setdefault(n, "its parameter gradients went non-finite from a finite output gradient at loss "
+                                "scale <= 1")
+        streaks = {n: self._streaks.get(n, []) + [self._step] for n in kinds}
         self._streaks = streaks
         promoted = []
         policy = self._policy
@@ -393,13 +559,16 @@ class PrecisionController:
             if fmt not in LOW_PRECISION_DTYPES:
                 if name not in self._reported_fp32_sources:
                     self._reported_fp32_sources.add(name)
-                    log.warning("adaptive precision: non-finite values start in %r, which already runs in %s: "
-                                "not a precision problem, nothing to promote", name or "(root)", fmt)
+                    log.warning("adaptive precision: non-finite values start in %r (%s), which already runs in %s: "
+                                "not a precision problem, nothing to promote", name or "(root)", kinds[name], fmt)
                 continue
-            if streaks[name] < self.promote_after:
+            steps = streaks[name]
+            if len(steps) < self.promote_after:
                 continue
+            when = (f"at step {steps[0]}" if len(steps) == 1 else
+                    f"in {len(steps)} consecutive steps ({', '.join(map(str, steps))})")
             reason = (f"promoted from {fmt} to fp32 by the adaptive controller at step {self._step}: {kinds[name]} "
-                      f"in {streaks[name]} consecutive steps")
+                      f"{when}")
             policy = policy.with_override(name, "fp32", reason)
             promoted.append(name)
             del self._streaks[name]

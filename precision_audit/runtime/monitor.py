@@ -1,9 +1,9 @@
 """The stability monitor: what happened at each training step, as data, and logged.
 
-Per step: the loss, the loss scale used, whether the step was skipped (non-finite gradients found by the
-GradScaler), the total gradient norm (unscaled), the modules whose own parameter gradients were non-finite,
-the modules where the non-finite values started (adaptive mode), whether the loss spiked against the running
-median, and any module promoted to fp32.
+Per step: the loss, the loss scale used, whether the step was skipped (a non-finite gradient: found by the
+GradScaler, or by the controller's own check when loss scaling is off), the total gradient norm (unscaled), the
+modules whose own parameter gradients were non-finite, the module where the non-finite values started and what
+was seen there, whether the loss spiked against the running median, and any module promoted to fp32.
 
 Example::
 
@@ -33,12 +33,13 @@ class StepRecord:
     step: int  # 1-based
     loss: float  # the unscaled loss (nan / inf when non-finite)
     scale: float | None  # the loss scale used for this step; None when loss scaling is disabled
-    skipped: bool  # optimizer.step() was skipped because gradients were non-finite
+    skipped: bool  # the optimizer update was skipped because a gradient was non-finite (in every format)
     grad_norm: float  # total 2-norm of the unscaled gradients (nan / inf when non-finite)
     nonfinite_modules: tuple[str, ...] = ()  # modules whose own parameter gradients had inf/NaN
-    sources: tuple[str, ...] = ()  # adaptive mode: the modules where the non-finite values started
+    sources: tuple[str, ...] = ()  # where the non-finite values started (the forward source first)
     loss_spike: bool = False  # loss > spike_factor x the running median of the previous losses
     promoted: tuple[str, ...] = ()  # modules the adaptive controller moved to fp32 at this step
+    source_detail: str = ""  # what was seen at sources[0] when it is a forward source (e.g. "+inf from finite inputs")
 
     @property
     def loss_finite(self) -> bool:
@@ -92,12 +93,12 @@ class StabilityMonitor:
 
     def observe(self, *, step: int, loss: float, scale: float | None, skipped: bool, grad_norm: float,
                 nonfinite_modules: tuple[str, ...] = (), sources: tuple[str, ...] = (),
-                promoted: tuple[str, ...] = ()) -> StepRecord:
+                promoted: tuple[str, ...] = (), source_detail: str = "") -> StepRecord:
         """Record one step; returns its :class:`StepRecord` (with ``loss_spike`` decided here)."""
         spike, med = self.is_spike(loss)
         rec = StepRecord(step=step, loss=loss, scale=scale, skipped=skipped, grad_norm=grad_norm,
                          nonfinite_modules=tuple(nonfinite_modules), sources=tuple(sources), loss_spike=spike,
-                         promoted=tuple(promoted))
+                         promoted=tuple(promoted), source_detail=source_detail)
         self.history.append(rec)
         self.last = rec
         self.steps += 1
@@ -112,7 +113,7 @@ class StabilityMonitor:
         self.nonfinite_counts.update(nonfinite_modules)
         self.source_counts.update(sources)
         self.promotions.extend((step, name) for name in promoted)
-        if skipped or nonfinite_modules:
+        if nonfinite_modules and not skipped:  # a skipped step is logged by the controller, with its source
             where = f" in {', '.join(nonfinite_modules[:6])}{' ...' if len(nonfinite_modules) > 6 else ''}" \
                 if nonfinite_modules else ""
             log.info("step %d: non-finite gradients%s%s%s", step, where,
