@@ -43,6 +43,7 @@ class Plan:
     overrides: dict[str, LayerPlan] = field(default_factory=dict)  # the ones that differ from the default
     source: str = "rules"
     refusals: dict[Format, list[str]] = field(default_factory=dict)  # format -> modules whose values overflow it
+    zero_gradient: dict[str, str] = field(default_factory=dict)  # modules the loss ignores -> why (left at default)
 
 
 def choose_default(candidates: tuple[Format, ...], target_name: str) -> tuple[Format, str]:
@@ -135,7 +136,7 @@ def refusal(L: LayerFinding, fmt: Format) -> str | None:
     if stored and L.activation.overflows(fmt):
         frac = L.activation.fractions[fmt.value]["overflow"]
         return (f"its output reaches {_fmt_value(L.activation.amax)} in fp32, above {fmt}'s largest value "
-                f"{_fmt_value(SPECS[fmt].max)} ({frac:.2%} of its values overflow)")
+                f"{SPECS[fmt].max:g} ({frac:.2%} of its values overflow)")
     if err is not None and err.local is not None and err.local.nonfinite:
         return f"its {fmt} re-run on exact inputs gives {err.local.nonfinite} non-finite value(s)"
     at = L.gradient.output_fp16_at_recommended or {}
@@ -264,6 +265,16 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
         if any(o.startswith(n + ".") and by_name[o].activation.amax >= by_name[n].activation.amax for o in refusing):
             continue  # its output is a descendant's, refused there
         refused[n] = r
+    # A container refused for its own op (a residual add of two children) runs in fp32 as a whole: its children's
+    # low-precision outputs would otherwise meet in the same overflowing op.
+    for n, why_r in refused.items():
+        if by_name[n].is_leaf:
+            continue
+        for m, d in list(result.decisions.items()):
+            if m.startswith(n + ".") and d.format is not Format.FP32:
+                result.decisions[m] = replace(d, format=Format.FP32, promoted=False,
+                                              reason=f"inside {n}, which runs in fp32: {default} refused there, "
+                                                     f"{why_r}")
     pinned_parents = {n: d.format for n, d in result.decisions.items()
                       if d.format is not default and not records[n].is_leaf}
     pinned_parents.update({n: Format.FP32 for n, rs in refused.items() if not by_name[n].is_leaf})
@@ -277,7 +288,7 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
         base = baseline(L.name)
         if d is not None:
             reason = _override_reason(d, base, by_name[L.name], ref, budget_rel) if d.format is not base \
-                else _kept_reason(d, base, ref, budget_rel)
+                else (d.reason if d.reason.startswith("inside ") else _kept_reason(d, base, ref, budget_rel))
             lp = LayerPlan(d.format, reason)
             if d.format is not base:
                 plan.overrides[L.name] = lp
@@ -310,6 +321,13 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
                 plan.overrides[n] = lp
             else:
                 plan.overrides.pop(n, None)
+    for r in capture.layers:  # modules without a GEMM are labelled too (their format is the op policy's)
+        if r.name and r.name not in zero and r.computes and (z := zero_gradient(by_name[r.name], r, modules.get(r.name))):
+            zero[r.name] = z
+            if r.name not in plan.overrides and r.name not in result.decisions:
+                plan.layers[r.name] = LayerPlan(plan.layers[r.name].format, f"{z}: its format cannot change the "
+                                                                            "loss; default format")
+    plan.zero_gradient = dict(zero)
     plan.refusals = {f: [n for n in (L.name for L in analysis.layers) if refusal(by_name[n], f)]
                      for f in candidates_formats}
     return plan, result

@@ -81,20 +81,23 @@ def plan_step_time(plan: Plan, perf) -> float:
     return total
 
 
-def uniform_plan(analysis, fmt: Format, why: str) -> Plan:
+def uniform_plan(analysis, fmt: Format, why: str, labels: dict[str, str] | None = None) -> Plan:
+    """Every module in ``fmt``; ``labels``: modules whose output gradient is zero, with why (rules.zero_gradient)."""
     plan = Plan(default_format=fmt, default_reason=why, source="uniform")
     for L in analysis.layers:
-        plan.layers[L.name] = LayerPlan(fmt, f"uniform {fmt}: every module in the default format")
+        z = (labels or {}).get(L.name)
+        plan.layers[L.name] = LayerPlan(fmt, f"{z}: its format cannot change the loss; default format" if z
+                                        else f"uniform {fmt}: every module in the default format")
     return plan
 
 
-def uniform_candidates(analysis, perf, formats: tuple[Format, ...], refusals: dict[Format, list[str]]
-                       ) -> list[PlanCandidate]:
+def uniform_candidates(analysis, perf, formats: tuple[Format, ...], refusals: dict[Format, list[str]],
+                       labels: dict[str, str] | None = None) -> list[PlanCandidate]:
     """FP32, and each audited format whose own pass is within budget and that no module's values overflow."""
     budget = analysis.budget
-    out = [PlanCandidate("uniform fp32", uniform_plan(analysis, Format.FP32, "the FP32 reference: no low-precision "
-                                                                             "plan is within budget and faster"),
-                         perf.step_time_s.get("fp32"), 0.0, None, 0.0, True,
+    p32 = uniform_plan(analysis, Format.FP32, "the FP32 reference: no low-precision plan is within budget and faster",
+                       labels)
+    out = [PlanCandidate("uniform fp32", p32, plan_step_time(p32, perf), 0.0, None, 0.0, True,
                          note="the FP32 reference itself")]
     for f in formats:
         s = analysis.summaries.get(f)
@@ -110,10 +113,9 @@ def uniform_candidates(analysis, perf, formats: tuple[Format, ...], refusals: di
         if s.safe and refused:
             note = (f"measured within budget, but {len(refused)} module(s) overflow {f} "
                     f"({', '.join(n or '(model)' for n in refused[:3])}{' ...' if len(refused) > 3 else ''})")
-        t = perf.step_time_s.get(f.value)
-        out.append(PlanCandidate(f"uniform {f}", uniform_plan(analysis, f, f"every module in {f}: its own pass is "
-                                 f"within budget (loss change {_fig(lc)}, budget {budget.max_loss_rel_change:.2e})"),
-                                 t, lc, lc_range, oe, ok, note=note))
+        up = uniform_plan(analysis, f, f"every module in {f}: its own pass is within budget (loss change {_fig(lc)}, "
+                                       f"budget {budget.max_loss_rel_change:.2e})", labels)
+        out.append(PlanCandidate(f"uniform {f}", up, plan_step_time(up, perf), lc, lc_range, oe, ok, note=note))
     return out
 
 
@@ -129,7 +131,7 @@ def choose(analysis, perf, formats: tuple[Format, ...], mixed: Plan, planner_res
     ``verify(policy, default) -> (loss_rel_changes, output_rel_errors, error)``: one forward per reduction order;
     ``impact_of(module, format)``: the calibrated estimated loss impact, to pick what a repair moves first.
     """
-    uniforms = uniform_candidates(analysis, perf, formats, mixed.refusals)
+    uniforms = uniform_candidates(analysis, perf, formats, mixed.refusals, mixed.zero_gradient)
     ok = [c for c in uniforms if c.within_budget]
     best_t = min(c.estimated_step_time_s for c in ok if c.estimated_step_time_s is not None)
     best = min(ok, key=lambda c: c.key(best_t))
