@@ -358,7 +358,7 @@ def _choose_plan(session, model, fp, n_modules, target, analysis, perf, formats,
             lcs.append(a if a is not None else math.inf)
             oes.append(alt.output_rel_error if alt.output_rel_error is not None else math.inf)
             error = error or alt.error
-        return lcs, oes, error
+        return lcs, oes, error, run.loss
 
     def impact_of(name: str, fmt: Format) -> float:
         d = planner_result.decisions.get(name) if planner_result else None
@@ -392,7 +392,7 @@ def _plan_dict(plan: Plan, chosen, candidates, planner_result, analysis: Analysi
         "estimated_step_time_s": chosen.estimated_step_time_s,
         "verification": {
             "passes": chosen.passes,
-            "loss": None,
+            "loss": chosen.loss,
             "loss_rel_change": verified,
             "loss_rel_change_range": list(chosen.loss_rel_change_range) if chosen.loss_rel_change_range else None,
             "output_rel_error": chosen.output_rel_error,

@@ -10,7 +10,7 @@ the thread count.
 format's pass at a second thread count (1 when the audit runs with more, else 2), and compares the FP32 run with
 the reference on the loss, the model output and a sample of layers. The pair of thread counts is the same
 whichever of the two the audit runs with, so a decision taken on the pair (the upper end of what the two
-orders measured: see docs/report.md, "Noise floor") is the same at 1 and at 2 threads. On CUDA the thread count
+orders measured: see docs/plan.md, "Noise floor") is the same at 1 and at 2 threads. On CUDA the thread count
 does not change a kernel's reduction order; there the second run repeats the first (run-to-run
 nondeterminism only) and says so.
 """

@@ -10,7 +10,7 @@ The additive model: the loss change of a plan is at most the sum of its modules'
 (triangle inequality; exact to first order). That bound ignores cancellation between modules and overshoots
 the measured change (ResNet-50: 20x), so each format's impacts are first scaled by a calibration factor
 (measured whole-format loss change / the sum of the first-order impacts of that format; see rules.py and
-docs/report.md, "Plan"). Modules that share parameters form one group and one format.
+docs/plan.md). Modules that share parameters form one group and one format.
 Ties break deterministically: the format order below (BF16 first: no loss scaling), then smaller impact, then
 the module name.
 """

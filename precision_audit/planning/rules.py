@@ -124,7 +124,7 @@ def zero_gradient(L: LayerFinding, record, module) -> str | None:
 def refusal(L: LayerFinding, fmt: Format) -> str | None:
     """Why ``fmt`` is refused for this module (overflow of its values in that format), quoting the measured figure.
 
-    Checked for every module that ran — containers and elementwise modules too (docs/report.md, "Plan"): its FP32
+    Checked for every module that ran — containers and elementwise modules too (docs/plan.md): its FP32
     outputs exceed the format's largest value where the format pass stored them in that format; its re-run alone
     in the format is not finite; or (FP16) its output gradients overflow even at the recommended loss scale.
     """
@@ -150,7 +150,7 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
     """Scale factor per format: the measured whole-format loss change over the sum of the first-order impacts.
 
     The sum of |<dL/dy, y_p - y>| over modules bounds the loss change from above (triangle inequality) and ignores
-    the cancellation between modules, so on deep models it overshoots by 10-20x (docs/report.md, "Plan"). The
+    the cancellation between modules, so on deep models it overshoots by 10-20x (docs/plan.md). The
     all-format pass measured the real change; its upper end over the reduction orders is taken. Not calibrated
     (factor 1, and said so) where the pass failed, was not finite, or measured nothing above the FP32 noise floor.
     """

@@ -1,5 +1,5 @@
 """The plan returned: the mixed plan only when it is measured within budget and estimated faster than every
-uniform format that is (DESIGN §5; docs/report.md, "Plan").
+uniform format that is (DESIGN §5; docs/plan.md).
 
 The uniform candidates are the all-format passes the audit already ran: a format is one when its pass is within
 budget at both reduction orders (capture/noise.py) and no module's values overflow it (rules.refusal). FP32 is
@@ -34,6 +34,7 @@ class PlanCandidate:
     plan: Plan
     estimated_step_time_s: float | None
     loss_rel_change: float | None = None  # upper end over the reduction orders measured
+    loss: float | None = None  # the loss with the plan applied (this audit's own order)
     loss_rel_change_range: tuple[float, float] | None = None
     output_rel_error: float | None = None
     within_budget: bool | None = None  # None: not verified
@@ -97,7 +98,7 @@ def uniform_candidates(analysis, perf, formats: tuple[Format, ...], refusals: di
     budget = analysis.budget
     p32 = uniform_plan(analysis, Format.FP32, "the FP32 reference: no low-precision plan is within budget and faster",
                        labels)
-    out = [PlanCandidate("uniform fp32", p32, plan_step_time(p32, perf), 0.0, None, 0.0, True,
+    out = [PlanCandidate("uniform fp32", p32, plan_step_time(p32, perf), 0.0, analysis.reference_loss, None, 0.0, True,
                          note="the FP32 reference itself")]
     for f in formats:
         s = analysis.summaries.get(f)
@@ -115,7 +116,8 @@ def uniform_candidates(analysis, perf, formats: tuple[Format, ...], refusals: di
                     f"({', '.join(n or '(model)' for n in refused[:3])}{' ...' if len(refused) > 3 else ''})")
         up = uniform_plan(analysis, f, f"every module in {f}: its own pass is within budget (loss change {_fig(lc)}, "
                                        f"budget {budget.max_loss_rel_change:.2e})", labels)
-        out.append(PlanCandidate(f"uniform {f}", up, plan_step_time(up, perf), lc, lc_range, oe, ok, note=note))
+        out.append(PlanCandidate(f"uniform {f}", up, plan_step_time(up, perf), lc, s.loss, lc_range, oe, ok,
+                                 note=note))
     return out
 
 
@@ -128,7 +130,7 @@ def choose(analysis, perf, formats: tuple[Format, ...], mixed: Plan, planner_res
            say: Callable[[str], None]) -> tuple[PlanCandidate, list[PlanCandidate]]:
     """Weigh the mixed plan against the uniform candidates; returns (the chosen one, every candidate).
 
-    ``verify(policy, default) -> (loss_rel_changes, output_rel_errors, error)``: one forward per reduction order;
+    ``verify(policy, default) -> (loss_rel_changes, output_rel_errors, error, loss)``: one forward per reduction order;
     ``impact_of(module, format)``: the calibrated estimated loss impact, to pick what a repair moves first.
     """
     uniforms = uniform_candidates(analysis, perf, formats, mixed.refusals, mixed.zero_gradient)
@@ -176,7 +178,7 @@ def _verify_and_repair(analysis, mc: PlanCandidate, result, verify, make_policy,
 
     def check() -> bool:
         mc.passes += 1
-        lcs, oes, err = verify(make_policy(plan), default)
+        lcs, oes, err, mc.loss = verify(make_policy(plan), default)
         mc.error = err
         good_l = [x for x in lcs if x is not None and math.isfinite(x)]
         good_o = [x for x in oes if x is not None and math.isfinite(x)]
