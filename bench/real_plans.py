@@ -7,7 +7,8 @@ Models are built from transformers' default configurations with random weights (
 124M (``GPT2Config()``), BERT-base (``BertConfig()``), T5-small (``T5Config()``) and a Llama-style decoder with
 GPT-2's width and depth (``LlamaConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
 num_attention_heads=12)``), each in train mode as built, on a small batch (below), audited in emulated mode with
-``--steps 0`` and the default budget (relative loss change 1e-2, output error 5e-2).
+``--steps 0`` and the default budget. Batches (small: the audit runs every pass on the CPU): ResNet-50 2 images
+of 224x224, ViT-B/16 1 image of 224x224, T5-small 2 sequences of 64 tokens, the others 1 sequence of 64 tokens (relative loss change 1e-2, output error 5e-2).
 
 Per model it prints each uniform format's measured loss change (the range over the two reduction orders the audit
 measures) and estimated step time on the target, then the plan returned: its verified loss change, estimated step
@@ -37,14 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 # name -> (config class, model class, config kwargs, batch kind, batch, sequence or image size)
 MODELS: dict[str, tuple[str, str, dict, str, int, int]] = {
-    "resnet50": ("ResNetConfig", "ResNetForImageClassification", {}, "image", 4, 224),
-    "vit": ("ViTConfig", "ViTForImageClassification", {}, "image", 2, 224),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}, "causal", 2, 128),
-    "bert": ("BertConfig", "BertForMaskedLM", {}, "masked", 2, 128),
+    "resnet50": ("ResNetConfig", "ResNetForImageClassification", {}, "image", 2, 224),
+    "vit": ("ViTConfig", "ViTForImageClassification", {}, "image", 1, 224),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}, "causal", 1, 64),
+    "bert": ("BertConfig", "BertForMaskedLM", {}, "masked", 1, 64),
     "t5": ("T5Config", "T5ForConditionalGeneration", {"decoder_start_token_id": 0}, "seq2seq", 2, 64),
     "llama": ("LlamaConfig", "LlamaForCausalLM",
               dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                   num_key_value_heads=12), "causal", 2, 128),
+                   num_key_value_heads=12), "causal", 1, 64),
 }
 
 MODEL_PY = '''\

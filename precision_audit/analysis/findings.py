@@ -200,8 +200,8 @@ def _pair(main: float, other: float | None) -> tuple[float, float] | None:
 
 def _figure(pair: tuple[float, float] | None, main: float) -> str:
     """A measured figure, as the range over the two reduction orders when there are two (symmetric in them)."""
-    if pair is None or pair[0] == pair[1]:
-        return f"{main:.2e}"
+    if pair is None or f"{pair[0]:.2e}" == f"{pair[1]:.2e}":
+        return f"{main:.2e}" if pair is None else f"{pair[1]:.2e}"
     return f"{pair[0]:.2e}\u2013{pair[1]:.2e} over two reduction orders"
 
 
