@@ -251,7 +251,7 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
 
     # Modules whose output gradient is zero: the loss cannot see their format; they stay at the default.
     for n, z in zero.items():
-        if not refusal(by_name[n], default):
+        if not refusal(by_name[n], default) and n not in groups:  # tied modules keep their group's one format
             result.decisions[n] = replace(result.decisions[n], format=default, promoted=False,
                                           reason=f"{z}: its format cannot change the loss, so it stays at the "
                                                  f"default {default}")

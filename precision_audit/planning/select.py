@@ -194,10 +194,11 @@ def _verify_and_repair(analysis, mc: PlanCandidate, result, verify, make_policy,
            and lp.format is not Format.FP32]
     remaining = sorted(low, key=lambda x: (-impact_of(x[0], x[1]), x[0]))
     ref = abs(analysis.reference_loss) or 1.0
-    while not ok and remaining and len(mc.repairs) < MAX_REPAIRS:
-        take = 1 if not mc.repairs else max(1, len(remaining) // 2)
-        batch, remaining = remaining[:take], remaining[take:]
-        for n, f in batch:
+    rounds = 0
+    batch: list[tuple[str, Format]] = []
+
+    def pin(items: list[tuple[str, Format]]) -> None:
+        for n, f in items:
             for child, lp in list(plan.layers.items()):
                 if child.startswith(n + ".") and child not in plan.overrides:
                     plan.layers[child] = LayerPlan(Format.FP32, "inside a module planned as fp32")
@@ -208,7 +209,41 @@ def _verify_and_repair(analysis, mc: PlanCandidate, result, verify, make_policy,
             plan.overrides[n] = LayerPlan(Format.FP32, reason)
             plan.layers[n] = plan.overrides[n]
             mc.repairs.append(f"{n}: {f} -> fp32")
+
+    def state() -> tuple:
+        return (dict(plan.layers), dict(plan.overrides), list(mc.repairs), mc.loss_rel_change,
+                mc.loss_rel_change_range, mc.output_rel_error, mc.within_budget, mc.loss, mc.error)
+
+    def restore(st: tuple) -> None:
+        plan.layers.clear()
+        plan.layers.update(st[0])
+        plan.overrides.clear()
+        plan.overrides.update(st[1])
+        (mc.repairs[:], mc.loss_rel_change, mc.loss_rel_change_range, mc.output_rel_error, mc.within_budget,
+         mc.loss, mc.error) = st[2:]
+
+    while not ok and remaining and rounds < MAX_REPAIRS:
+        take = 1 if not rounds else max(1, len(remaining) // 2)
+        batch, remaining = remaining[:take], remaining[take:]
+        rounds += 1
+        before = state()
+        pin(batch)
         ok = check()
+    # Give back what the last repair did not need: its smaller-impact half goes back to its format while the
+    # budget still holds (at most MAX_REPAIRS more passes).
+    if ok and len(batch) > 1:
+        keep, tries = batch, 0
+        while len(keep) > 1 and tries < MAX_REPAIRS:
+            tries += 1
+            good = state()
+            restore(before)
+            head = keep[:len(keep) // 2]
+            pin(head)
+            if check():
+                keep = head
+            else:
+                restore(good)
+                break
 
 
 def predicted_rel(plan: Plan, result, ref: float) -> float | None:
