@@ -490,3 +490,39 @@ def test_same_verdicts_and_plans_at_1_and_2_threads(sample):
 def test_same_verdicts_and_plans_at_1_and_2_threads_other_samples(sample):
     model = str(ROOT / "sample_models" / sample / "model.py")
     assert _decisions(model, 1) == _decisions(model, 2)
+
+
+# --- the repair loop ----------------------------------------------------------------------------------------
+
+
+def test_a_repair_pins_the_most_sensitive_modules_and_gives_back_what_the_budget_did_not_need():
+    """Ten modules in bf16; the budget holds once m0 and m1 are in fp32 (a brute-force answer known by design).
+    Repairs pin m0, then half the rest (m1..m4); the give-back returns m2..m4 to bf16."""
+    from types import SimpleNamespace
+
+    from precision_audit.planning.rules import LayerPlan, Plan
+    from precision_audit.planning.select import PlanCandidate, _verify_and_repair
+
+    names = [f"m{i}" for i in range(10)]
+    plan = Plan(default_format=Format.BF16, default_reason="test", source="planner")
+    for n in names:
+        plan.layers[n] = LayerPlan(Format.BF16, "default format")
+    analysis = SimpleNamespace(budget=Budget(max_loss_rel_change=1e-2), reference_loss=1.0)
+    result = SimpleNamespace(decisions={n: None for n in names})
+    calls = []
+
+    def verify(policy, default):
+        fp32 = {n for n, lp in plan.layers.items() if lp.format is Format.FP32}
+        calls.append(sorted(fp32))
+        lc = 0.02 if not {"m0", "m1"} <= fp32 else 0.005
+        return [lc, lc], [0.01, 0.01], None, 1.0 + lc
+
+    mc = PlanCandidate("mixed", plan, 1.0)
+    _verify_and_repair(analysis, mc, result, verify, lambda p: p, lambda n, f: 1.0 / (1 + int(n[1:])))
+    assert mc.within_budget
+    assert set(plan.overrides) == {"m0", "m1"}
+    assert all(plan.layers[n].format is Format.BF16 for n in names[2:])
+    assert calls[:3] == [[], ["m0"], ["m0", "m1", "m2", "m3", "m4"]]
+    assert plan.overrides["m1"].reason.startswith("fp32 instead of bf16: the verification pass")
+    assert "2.00e-02" in plan.overrides["m1"].reason and "1.00e-02" in plan.overrides["m1"].reason
+    assert mc.loss_rel_change == 0.005 and mc.repairs == ["m0: bf16 -> fp32", "m1: bf16 -> fp32"]
