@@ -29,6 +29,7 @@ from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import performance
 from .capture.compiled import KERNEL_CHOICES
 from .capture.compiled import resolve as resolve_kernels
+from .capture.noise import measure_noise_floor
 from .capture.runner import CaptureConfig, CaptureSession
 from .errors import AuditError, ModelRunError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
@@ -323,13 +324,17 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
                 found=" vs ".join(sorted(set(structures))),
                 hint="make the forward return the same structure on every call (look for branches on a call "
                      "counter, on self.training, or on autocast being enabled)")
+        noise = None
+        if formats:
+            say("FP32 noise floor: the reference and each format re-run forward at a second reduction order")
+            noise = measure_noise_floor(session, formats)
         if opts.steps:
             say(f"profiling {opts.steps} timed step(s) per format on {device} (after one warm-up step)")
             session.timed_steps(opts.steps)
         capture = session.result()
 
         say("analysing")
-        analysis = analyse(capture, opts.budget)
+        analysis = analyse(capture, opts.budget, noise)
         shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
                   if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
         perf = performance(capture, target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -339,14 +344,12 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
             _measure_gemms_on_gpu(capture, perf, target, device, formats)
         alignment = rank_alignment({n: lp.alignment for n, lp in perf.layers.items()}, perf.step_time_s,
                                    target.name, batch.describe())
-        plan, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
+        mixed, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
         fp, n_modules = fingerprint(model)
+        chosen, candidates = _choose_plan(session, model, fp, n_modules, target, analysis, perf, formats, mixed,
+                                          planner_result, noise, say)
+        plan = chosen.plan
         policy = _policy(model, fp, n_modules, target, plan, analysis)
-        verification = None
-        if planner_result is not None:
-            say("verifying the plan (one pass with the policy applied)")
-            plan, policy, verification = _verify_and_repair(session, model, fp, n_modules, target, plan, policy,
-                                                            analysis, planner_result, say)
     safe = [f.value for f, s in analysis.summaries.items() if s.safe]
     exit_code = 0 if (safe or not formats) else 1
 
@@ -399,17 +402,8 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> Audit
         "alignment": alignment,
         "loss_scale": analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None,
         "layers": [layer_dict(L, plan, perf.layers.get(L.name), time_label) for L in analysis.layers],
-        "plan": {
-            "source": plan.source,
-            "predicted_loss_change": planner_result.predicted_loss_change if planner_result else None,
-            "loss_budget": planner_result.loss_budget if planner_result else None,
-            "promotions": planner_result.promotions if planner_result else [],
-            "estimated_step_time_s": planner_result.estimated_time_s if planner_result else None,
-            "verification": verification,
-            "default_format": plan.default_format.value,
-            "default_reason": plan.default_reason,
-            "overrides": {k: {"format": v.format.value, "reason": v.reason} for k, v in plan.overrides.items()},
-        },
+        "noise_floor": noise.to_dict() if noise is not None else None,
+        "plan": _plan_dict(plan, chosen, candidates, planner_result, analysis),
         "verdict": {"exit_code": exit_code, "safe_formats": safe,
                     "message": _verdict_message(analysis, plan, safe, formats)},
         "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings
@@ -444,72 +438,98 @@ def _policy(model, fp: str, n_modules: int, target: GpuSpec, plan: Plan, analysi
     )
 
 
+def plan_counts(plan: Plan) -> str:
+    """The plan's overrides counted by format, from the plan itself: "5 in fp32, 7 in bf16" ("" when none)."""
+    by: dict[str, int] = {}
+    for o in plan.overrides.values():
+        by[o.format.value] = by.get(o.format.value, 0) + 1
+    return ", ".join(f"{n} in {f}" for f, n in sorted(by.items(), key=lambda x: (-x[1], x[0])))
+
+
 def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: tuple[Format, ...]) -> str:
     if not formats:
         return "no low-precision format was audited"
-    pins = f"; {len(plan.overrides)} module(s) kept in fp32" if plan.overrides else ""
+    counts = plan_counts(plan)
+    pins = (f"; {len(plan.overrides)} module(s) overridden: {counts}" if plan.overrides else
+            "; no overrides")
     if safe:
         return f"recommended: {plan.default_format} by default{pins}. Safe as is: {', '.join(safe)}"
     return (f"unsafe in every audited format as is ({', '.join(f.value for f in formats)}); "
             f"the policy runs {plan.default_format} by default{pins}")
 
 
-MAX_REPAIRS = 4
+def _choose_plan(session, model, fp, n_modules, target, analysis, perf, formats, mixed, planner_result, noise, say):
+    """The mixed plan against the uniform formats (planning/select.py), verified at both reduction orders."""
+    from .capture.noise import plan_forward
+    from .planning.select import choose
 
-
-def _verify_and_repair(session, model, fp, n_modules, target, plan, policy, analysis, result, say):
-    """Run the plan once; while it breaks the budget, promote the most sensitive low-precision modules to fp32
-    (one, then half of the rest, bisection-style) and run it again. Returns (plan, policy, verification)."""
-    from .planning.rules import LayerPlan
-
-    budget = analysis.budget
     ref = analysis.reference_loss
-    default = plan.default_format if plan.default_format in LOW_PRECISION_DTYPES else None
-    passes, repairs = 0, []
 
-    def check(pol):
-        nonlocal passes
-        passes += 1
+    def make_policy(p: Plan) -> Policy:
+        return _policy(model, fp, n_modules, target, p, analysis)
+
+    def verify(pol, default):
         run = session.verify_plan(pol, default)
-        loss_change = (abs(run.loss - ref) / abs(ref) if ref else abs(run.loss)) if run.loss is not None else math.inf
-        out_err = run.output.rel_l2 if run.output else math.inf
-        ok = (run.error is None and math.isfinite(loss_change) and loss_change <= budget.max_loss_rel_change
-              and out_err <= budget.max_output_rel_error)
-        return run, loss_change, out_err, ok
+        lc = ((abs(run.loss - ref) / abs(ref) if ref else abs(run.loss))
+              if run.loss is not None and math.isfinite(run.loss) else math.inf)
+        lcs, oes = [lc], [run.output.rel_l2 if run.output else math.inf]
+        error = run.error
+        if noise is not None:
+            alt = plan_forward(session, noise, pol, default)
+            a = noise.rel_change(alt.loss)
+            lcs.append(a if a is not None else math.inf)
+            oes.append(alt.output_rel_error if alt.output_rel_error is not None else math.inf)
+            error = error or alt.error
+        return lcs, oes, error, run.loss
 
-    run, loss_change, out_err, ok = check(policy)
-    remaining = sorted(((d, n) for n, d in result.decisions.items() if d.format is not Format.FP32),
-                       key=lambda x: (-_impact_of(session, x[1], x[0].format), x[1]))
-    while not ok and remaining and len(repairs) < MAX_REPAIRS:
-        take = 1 if not repairs else max(1, len(remaining) // 2)
-        batch, remaining = remaining[:take], remaining[take:]
-        for d, n in batch:
-            reason = (f"the verification pass broke the budget (loss change {loss_change:.2e}, output error "
-                      f"{out_err:.2e}); it was the most sensitive module left in {d.format}")
-            plan.overrides[n] = LayerPlan(Format.FP32, reason)
-            plan.layers[n] = plan.overrides[n]
-            repairs.append(f"{n}: {d.format} -> fp32")
-        policy = _policy(model, fp, n_modules, target, plan, analysis)
-        run, loss_change, out_err, ok = check(policy)
-    verification = {
-        "passes": passes,
-        "loss": run.loss,
-        "loss_rel_change": loss_change,
-        "output_rel_error": out_err,
-        "within_budget": ok,
-        "repairs": repairs,
-        "error": run.error,
+    def impact_of(name: str, fmt: Format) -> float:
+        d = planner_result.decisions.get(name) if planner_result else None
+        return (d.impact.get(fmt) or 0.0) if d is not None else 0.0
+
+    return choose(analysis, perf, formats, mixed, planner_result, verify, make_policy, impact_of, say)
+
+
+def _plan_dict(plan: Plan, chosen, candidates, planner_result, analysis: Analysis) -> dict[str, Any]:
+    from .planning.select import first_order_rel, predicted_rel, prediction_note
+
+    ref = analysis.reference_loss
+    predicted = predicted_rel(plan, planner_result, ref) if plan.default_format is not Format.FP32 or plan.overrides \
+        else 0.0
+    first_order = first_order_rel(plan, planner_result, ref) if plan.default_format is not Format.FP32 \
+        or plan.overrides else 0.0
+    verified = chosen.loss_rel_change
+    floor = analysis.noise.loss_rel if analysis.noise is not None and math.isfinite(analysis.noise.loss_rel) else 0.0
+    uniform = chosen.label.startswith("uniform")
+    return {
+        "source": plan.source,
+        "chosen": chosen.label,
+        "candidates": [c.to_dict(c is chosen) for c in candidates],
+        "predicted_loss_change": predicted * abs(ref) if predicted is not None else None,
+        "predicted_loss_rel_change": predicted,
+        "first_order_loss_rel_change": first_order,
+        "prediction": prediction_note(predicted, verified, floor),
+        "calibration": planner_result.calibration_info if planner_result else {},
+        "loss_budget": analysis.budget.max_loss_rel_change * abs(ref) if ref else analysis.budget.max_loss_rel_change,
+        "promotions": planner_result.promotions if planner_result and not uniform else [],
+        "estimated_step_time_s": chosen.estimated_step_time_s,
+        "verification": {
+            "passes": chosen.passes,
+            "loss": chosen.loss,
+            "loss_rel_change": verified,
+            "loss_rel_change_range": list(chosen.loss_rel_change_range) if chosen.loss_rel_change_range else None,
+            "output_rel_error": chosen.output_rel_error,
+            "within_budget": chosen.within_budget,
+            "repairs": list(chosen.repairs),
+            "error": chosen.error,
+            "source": (f"the audit's own all-{plan.default_format} pass{'es' if analysis.noise else ''} (no extra "
+                       "pass: this plan is that format, uniform)" if uniform else
+                       "forward passes with the policy applied, one per reduction order"),
+        },
+        "default_format": plan.default_format.value,
+        "default_reason": plan.default_reason,
+        "overrides": {k: {"format": v.format.value, "reason": v.reason} for k, v in plan.overrides.items()},
+        "override_counts": plan_counts(plan) or "none",
     }
-    say(f"plan verified: loss change {loss_change:.2e}, output error {out_err:.2e}"
-        + ("" if ok else " (budget still broken)") + (f"; {len(repairs)} repair(s)" if repairs else ""))
-    return plan, policy, verification
-
-
-def _impact_of(session, name: str, fmt: Format) -> float:
-    for r in session.layers.values():
-        if r.name == name and fmt in r.formats:
-            return r.formats[fmt].loss_impact_abs
-    return 0.0
 
 
 def _measure_gemms_on_gpu(capture, perf, target: GpuSpec, device: str, formats: tuple[Format, ...]) -> None:

@@ -175,6 +175,9 @@ class FormatSummary:
     safe: bool
     verdict: str
     param_grads_nonfinite_shared: int = 0  # non-finite where FP32's gradients are not finite either
+    # The same pass at the second reduction order (capture/noise.py): the decision takes the upper end of the two.
+    loss_rel_change_range: tuple[float, float] | None = None
+    output_rel_error_range: tuple[float, float] | None = None
 
 
 @dataclass
@@ -185,6 +188,7 @@ class Analysis:
     budget: Budget
     reference_loss: float
     fp32_nonfinite: Fp32NonFinite = field(default_factory=lambda: Fp32NonFinite([], 0, 0, 0))
+    noise: Any = None  # capture.noise.NoiseFloor, when the second reduction order was measured
 
 
 def _grad_fracs(h: MagnitudeHistogram, k: int | None) -> dict[str, float] | None:
@@ -193,8 +197,9 @@ def _grad_fracs(h: MagnitudeHistogram, k: int | None) -> dict[str, float] | None
     return h.fractions(Format.FP16, k)
 
 
-def analyse(capture: CaptureResult, budget: Budget) -> Analysis:
-    """Derive findings from a finished capture."""
+def analyse(capture: CaptureResult, budget: Budget, noise: Any = None) -> Analysis:
+    """Derive findings from a finished capture; ``noise`` (capture.noise.NoiseFloor) holds the second reduction
+    order's passes, and a format's verdict then rests on the upper end of the two orders' figures."""
     forward_overflow = None
     fp16_layers = [r for r in capture.layers if r.name and r.activation.fractions(Format.FP16)["overflow"] > 0]
     if Format.FP16 in capture.formats and fp16_layers:
@@ -205,9 +210,10 @@ def analyse(capture: CaptureResult, budget: Budget) -> Analysis:
     layers = [_layer(r, capture, k_rec) for r in capture.layers]
     ref = capture.reference.loss or 0.0
     fp32_bad = fp32_nonfinite(capture)
-    summaries = {f: _summary(capture.runs[f], ref, budget, fp32_bad) for f in capture.formats if f in capture.runs}
+    summaries = {f: _summary(capture.runs[f], ref, budget, fp32_bad, noise) for f in capture.formats
+                 if f in capture.runs}
     return Analysis(layers=layers, summaries=summaries, loss_scale=ls, budget=budget, reference_loss=ref,
-                    fp32_nonfinite=fp32_bad)
+                    fp32_nonfinite=fp32_bad, noise=noise)
 
 
 def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFinding:
@@ -242,8 +248,21 @@ def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFi
     )
 
 
-def _summary(run: RunRecord, ref_loss: float, budget: Budget,
-             fp32_bad: Fp32NonFinite | None = None) -> FormatSummary:
+def _pair(main: float, other: float | None) -> tuple[float, float] | None:
+    if other is None or not math.isfinite(other) or not math.isfinite(main):
+        return None
+    return (min(main, other), max(main, other))
+
+
+def _figure(pair: tuple[float, float] | None, main: float) -> str:
+    """A measured figure, as the range over the two reduction orders when there are two (symmetric in them)."""
+    if pair is None or f"{pair[0]:.2e}" == f"{pair[1]:.2e}":
+        return f"{main:.2e}" if pair is None else f"{pair[1]:.2e}"
+    return f"{pair[0]:.2e}\u2013{pair[1]:.2e} over two reduction orders"
+
+
+def _summary(run: RunRecord, ref_loss: float, budget: Budget, fp32_bad: Fp32NonFinite | None = None,
+             noise: Any = None) -> FormatSummary:
     fmt = run.format
     if run.error:
         return FormatSummary(fmt, None, None, None, 0, 0, run.loss_scale, run.error, False,
@@ -254,26 +273,34 @@ def _summary(run: RunRecord, ref_loss: float, budget: Budget,
     out = run.output
     out_err = out.rel_l2 if out else math.inf
     finite = run.loss is not None and math.isfinite(run.loss) and run.output_nonfinite == 0
+    lc_pair = oe_pair = None
+    if noise is not None and fmt in noise.runs and loss_change is not None:
+        lc_pair = _pair(loss_change, noise.loss_rel_change(fmt))
+        oe_pair = _pair(out_err, noise.runs[fmt].output_rel_error)
+    lc_hi = lc_pair[1] if lc_pair else loss_change
+    oe_hi = oe_pair[1] if oe_pair else out_err
     problems = []
     if not finite:
         problems.append(f"the loss or the output is not finite ({run.output_nonfinite} non-finite output element(s))")
     else:
-        if loss_change is not None and loss_change > budget.max_loss_rel_change:
-            problems.append(f"loss changes by {loss_change:.2e} > budget {budget.max_loss_rel_change:g}")
-        if out_err > budget.max_output_rel_error:
-            problems.append(f"output error {out_err:.2e} > budget {budget.max_output_rel_error:g}")
+        if lc_hi is not None and lc_hi > budget.max_loss_rel_change:
+            problems.append(f"loss changes by {_figure(lc_pair, loss_change)} > budget {budget.max_loss_rel_change:g}")
+        if oe_hi > budget.max_output_rel_error:
+            problems.append(f"output error {_figure(oe_pair, out_err)} > budget {budget.max_output_rel_error:g}")
     # Only the non-finite gradients this format adds (positions finite in FP32) count against it: FP32's own
     # are the model's problem, reported once in summary.fp32.nonfinite (README.md, audit.json).
     if run.param_grads_nonfinite:
         problems.append(f"{run.param_grads_nonfinite} non-finite parameter gradient element(s) at loss scale "
                         f"{run.loss_scale:g} where FP32's are finite")
     safe = not problems
-    verdict = (f"safe as is: loss change {loss_change:.2e}, output error {out_err:.2e}" if safe
-               else "unsafe as is: " + "; ".join(problems))
+    verdict = (f"safe as is: loss change {_figure(lc_pair, loss_change)}, output error {_figure(oe_pair, out_err)}"
+               if safe else "unsafe as is: " + "; ".join(problems))
     if fp32_bad is not None and fp32_bad.any:
         verdict += " (judged on what it adds: FP32 itself has non-finite values, see the FP32 row)"
     return FormatSummary(fmt, run.loss, loss_change, out, run.output_nonfinite, run.param_grads_nonfinite,
-                         run.loss_scale, None, safe, verdict, run.param_grads_nonfinite_shared)
+                         run.loss_scale, None, safe, verdict,
+                         param_grads_nonfinite_shared=run.param_grads_nonfinite_shared,
+                         loss_rel_change_range=lc_pair, output_rel_error_range=oe_pair)
 
 
 def finite_or_none(x: Any) -> Any:

@@ -17,11 +17,14 @@ already is, and the whole model is never pinned (it would just mean "no mixed pr
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..analysis.findings import Analysis, LayerFinding
 from ..formats import SPECS, Format
+
+LOW_PRECISION_FORMATS = (Format.FP16, Format.BF16)
 
 LOCAL_ERROR_OUTLIER_RATIO = 10.0
 
@@ -39,6 +42,8 @@ class Plan:
     layers: dict[str, LayerPlan] = field(default_factory=dict)  # every module that ran
     overrides: dict[str, LayerPlan] = field(default_factory=dict)  # the ones that differ from the default
     source: str = "rules"
+    refusals: dict[Format, list[str]] = field(default_factory=dict)  # format -> modules whose values overflow it
+    zero_gradient: dict[str, str] = field(default_factory=dict)  # modules the loss ignores -> why (left at default)
 
 
 def choose_default(candidates: tuple[Format, ...], target_name: str) -> tuple[Format, str]:
@@ -106,18 +111,91 @@ def _median_local(layers: list[LayerFinding], fmt: Format) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def zero_gradient(L: LayerFinding, record, module) -> str | None:
+    """Why a module's format cannot change the loss, when its output gradient in the FP32 backward is zero."""
+    h = record.grad_output
+    if h.total and h.zeros == h.total:
+        return f"its output gradient dL/dy is zero in all {h.total:,} elements (the loss does not depend on it)"
+    if not h.total and module is not None and any(p.requires_grad for p in module.parameters()):
+        return "its output gets no gradient in the FP32 backward (the loss does not use it)"
+    return None
+
+
+def refusal(L: LayerFinding, fmt: Format) -> str | None:
+    """Why ``fmt`` is refused for this module (overflow of its values in that format), quoting the measured figure.
+
+    Checked for every module that ran — containers and elementwise modules too (docs/plan.md): its FP32
+    outputs exceed the format's largest value where the format pass stored them in that format; its re-run alone
+    in the format is not finite; or (FP16) its output gradients overflow even at the recommended loss scale.
+    """
+    if fmt not in LOW_PRECISION_FORMATS:
+        return None
+    err = L.errors.get(fmt)
+    dtype = {Format.FP16: "float16", Format.BF16: "bfloat16"}[fmt]
+    stored = err is None or not err.output_dtypes or dtype in err.output_dtypes
+    if stored and L.activation.overflows(fmt):
+        frac = L.activation.fractions[fmt.value]["overflow"]
+        return (f"its output reaches {_fmt_value(L.activation.amax)} in fp32, above {fmt}'s largest value "
+                f"{SPECS[fmt].max:g} ({frac:.2%} of its values overflow)")
+    if err is not None and err.local is not None and err.local.nonfinite:
+        return f"its {fmt} re-run on exact inputs gives {err.local.nonfinite} non-finite value(s)"
+    at = L.gradient.output_fp16_at_recommended or {}
+    if fmt is Format.FP16 and stored and at.get("overflow", 0) > 0:
+        return (f"{at['overflow']:.2%} of its output gradients (largest {_fmt_value(L.gradient.output_amax)}) "
+                "overflow fp16 even at the recommended loss scale")
+    return None
+
+
+def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> tuple[dict[Format, float], dict]:
+    """Scale factor per format: the measured whole-format loss change over the sum of the first-order impacts.
+
+    The sum of |<dL/dy, y_p - y>| over modules bounds the loss change from above (triangle inequality) and ignores
+    the cancellation between modules, so on deep models it overshoots by 10-20x (docs/plan.md). The
+    all-format pass measured the real change; its upper end over the reduction orders is taken. Not calibrated
+    (factor 1, and said so) where the pass failed, was not finite, or measured nothing above the FP32 noise floor.
+    """
+    ref = abs(analysis.reference_loss) or 1.0
+    factors: dict[Format, float] = {}
+    info: dict[str, dict] = {}
+    floor = analysis.noise.loss_rel if analysis.noise is not None and math.isfinite(analysis.noise.loss_rel) else 0.0
+    for f in formats:
+        total = sum(c.impact[f] for c in cands if c.impact.get(f) is not None)
+        s = analysis.summaries.get(f)
+        measured = None
+        if s is not None and s.loss_rel_change is not None and math.isfinite(s.loss_rel_change):
+            measured = (s.loss_rel_change_range[1] if s.loss_rel_change_range else s.loss_rel_change)
+        note = None
+        if measured is None:
+            note = f"not calibrated: the all-{f} pass has no finite loss"
+        elif total <= 0:
+            note = f"not calibrated: no first-order impact was measured in {f}"
+        elif measured <= floor:
+            note = (f"not calibrated: the all-{f} loss change {measured:.2e} is within the FP32 noise floor "
+                    f"{floor:.2e}")
+        factor = 1.0 if note else measured * ref / total
+        factors[f] = factor
+        info[f.value] = {"factor": factor, "measured_loss_rel_change": measured,
+                         "first_order_sum_rel": total / ref, "note": note}
+    return factors, info
+
+
 def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Format, ...], target_name: str,
                  model) -> tuple[Plan, "PlannerResult | None"]:
-    """The cost-aware plan (planner.py) when first-order impacts were measured, else the plain rules."""
-    from .planner import Candidate, plan_formats
+    """The cost-aware mixed plan (planner.py) when first-order impacts were measured, else the plain rules.
+
+    This is one candidate; planning/select.py weighs it against the uniform formats.
+    """
+    from .planner import FORMAT_PREFERENCE, Candidate, plan_formats
 
     default, why = choose_default(candidates_formats, target_name)
     if default is Format.FP32:
         return make_plan(analysis, candidates_formats, target_name), None
     by_name = {L.name: L for L in analysis.layers}
     records = {r.name: r for r in capture.layers}
+    modules = dict(model.named_modules())
     groups = _tied_groups(model)
     cands = []
+    zero: dict[str, str] = {}
     for r in capture.layers:
         if not r.name or not r.ops.gemms:
             continue  # without a GEMM of its own, autocast's op policy decides its precision, not the plan
@@ -126,6 +204,9 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
         if Format.FP32 not in times:
             continue
         L = by_name[r.name]
+        z = zero_gradient(L, r, modules.get(r.name))
+        if z:
+            zero[r.name] = z
         impact: dict[Format, float | None] = {}
         overflow: dict[Format, str] = {}
         for f in candidates_formats:
@@ -134,50 +215,89 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
             if fs is None or err is None:
                 impact[f] = None
                 continue
-            if fs.impact_measured:
+            if z:
+                impact[f] = 0.0
+            elif fs.impact_measured:
                 impact[f] = fs.loss_impact_abs
             elif err.local is not None and err.local.rel_l2 == 0:
                 impact[f] = 0.0
             else:
                 impact[f] = None
-            if L.activation.overflows(f):
-                frac = L.activation.fractions[f.value]["overflow"]
-                overflow[f] = (f"{f} output reaches {L.activation.amax:.3g} > {_fmt_value(SPECS[f].max)} "
-                               f"({frac:.1%} of its values overflow)")
-            elif err.local is not None and err.local.nonfinite:
-                overflow[f] = f"{f} re-run on exact inputs gives {err.local.nonfinite} non-finite value(s)"
-            elif f is Format.FP16 and (L.gradient.output_fp16_at_recommended or {}).get("overflow", 0) > 0:
-                overflow[f] = "its gradients overflow fp16 even at the recommended loss scale"
+            why_refused = refusal(L, f)
+            if why_refused:
+                overflow[f] = why_refused
         cands.append(Candidate(name=r.name, flops=r.ops.gemm_flops, time_s=times, impact=impact,
                                overflow=overflow, group=groups.get(r.name),
                                local_error={f: (L.errors[f].local.rel_l2 if L.errors.get(f) and L.errors[f].local
                                                 else None) for f in candidates_formats}))
     if not cands:
         return make_plan(analysis, candidates_formats, target_name), None
-    result = plan_formats(cands, candidates_formats, analysis.reference_loss, analysis.budget.max_loss_rel_change)
+    factors, cal_info = calibrate(analysis, cands, candidates_formats)
+    result = plan_formats(cands, candidates_formats, analysis.reference_loss, analysis.budget.max_loss_rel_change,
+                          calibration=factors)
+    result.calibration_info = cal_info
+    result.raw_impacts = {c.name: dict(c.impact) for c in cands}
     # the default is the format that covers most GEMM FLOPs (ties: the preferred one)
     flops: dict[Format, int] = {}
     for c in cands:
         f = result.decisions[c.name].format
         flops[f] = flops.get(f, 0) + max(c.flops, 1)
     low = {f: n for f, n in flops.items() if f is not Format.FP32} or flops
-    from .planner import FORMAT_PREFERENCE
-
     default = max(low, key=lambda f: (low[f], -FORMAT_PREFERENCE.index(f)))
     plan = Plan(default_format=default, default_reason=why if default is choose_default(candidates_formats, target_name)[0]
                 else f"{default} covers most of the GEMM FLOPs in the plan", source="planner")
+    ref = abs(analysis.reference_loss) or 1.0
+    budget_rel = analysis.budget.max_loss_rel_change
+
+    # Modules whose output gradient is zero: the loss cannot see their format; they stay at the default.
+    for n, z in zero.items():
+        if not refusal(by_name[n], default) and n not in groups:  # tied modules keep their group's one format
+            result.decisions[n] = replace(result.decisions[n], format=default, promoted=False,
+                                          reason=f"{z}: its format cannot change the loss, so it stays at the "
+                                                 f"default {default}")
+    # Overflow refuses a format for any module, containers and elementwise modules included: those without a GEMM
+    # of their own run in fp32 (inputs cast up), the smallest responsible modules only.
+    refusing = {L.name: r for L in analysis.layers if L.name and (r := refusal(L, default))}
+    refused: dict[str, str] = {}
+    for n, r in refusing.items():
+        if n in result.decisions or (by_name[n].is_leaf and not by_name[n].computes):
+            continue  # the planner decided it; or it passes its input on unchanged (the overflow is upstream)
+        if any(o.startswith(n + ".") and by_name[o].activation.amax >= by_name[n].activation.amax for o in refusing):
+            continue  # its output is a descendant's, refused there
+        refused[n] = r
+    # A container refused for its own op (a residual add of two children) runs in fp32 as a whole: its children's
+    # low-precision outputs would otherwise meet in the same overflowing op.
+    for n, why_r in refused.items():
+        if by_name[n].is_leaf:
+            continue
+        for m, d in list(result.decisions.items()):
+            if m.startswith(n + ".") and d.format is not Format.FP32:
+                result.decisions[m] = replace(d, format=Format.FP32, promoted=False,
+                                              reason=f"inside {n}, which runs in fp32: {default} refused there, "
+                                                     f"{why_r}")
     pinned_parents = {n: d.format for n, d in result.decisions.items()
                       if d.format is not default and not records[n].is_leaf}
+    pinned_parents.update({n: Format.FP32 for n, rs in refused.items() if not by_name[n].is_leaf})
+
+    def baseline(name: str) -> Format:
+        inherited = [(p, f) for p, f in pinned_parents.items() if name.startswith(p + ".")]
+        return max(inherited, key=lambda pf: len(pf[0]))[1] if inherited else default
+
     for L in analysis.layers:
         d = result.decisions.get(L.name)
-        inherited = next((f for p, f in pinned_parents.items() if L.name.startswith(p + ".")), None)
+        base = baseline(L.name)
         if d is not None:
-            lp = LayerPlan(d.format, d.reason)
-            if d.format is not (inherited or default):
+            reason = _override_reason(d, base, by_name[L.name], ref, budget_rel) if d.format is not base \
+                else (d.reason if d.reason.startswith("inside ") else _kept_reason(d, base, ref, budget_rel))
+            lp = LayerPlan(d.format, reason)
+            if d.format is not base:
                 plan.overrides[L.name] = lp
+        elif L.name in refused:
+            lp = LayerPlan(Format.FP32, f"fp32 instead of {base}: {base} refused, {refused[L.name]}")
+            plan.overrides[L.name] = lp
         else:
-            fmt = inherited or default
-            lp = LayerPlan(fmt, "inside a module planned as " + str(fmt) if inherited else
+            inherited = base is not default
+            lp = LayerPlan(base, "inside a module planned as " + str(base) if inherited else
                            "default format" + ("" if L.name == "" else
                                                " (no GEMM of its own: autocast's op policy decides its precision)"
                                                if L.computes else " (no computation of its own)"))
@@ -197,11 +317,63 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
             lp = LayerPlan(fmt, f"shares parameters with {', '.join(m for m in names if m in result.decisions)}: "
                                 "one format for all")
             plan.layers[n] = lp
-            if fmt is not default:
+            if fmt is not baseline(n):
                 plan.overrides[n] = lp
             else:
                 plan.overrides.pop(n, None)
+    for r in capture.layers:  # modules without a GEMM are labelled too (their format is the op policy's)
+        if r.name and r.name not in zero and r.computes and (z := zero_gradient(by_name[r.name], r, modules.get(r.name))):
+            zero[r.name] = z
+            if r.name not in plan.overrides and r.name not in result.decisions:
+                plan.layers[r.name] = LayerPlan(plan.layers[r.name].format, f"{z}: its format cannot change the "
+                                                                            "loss; default format")
+    plan.zero_gradient = dict(zero)
+    plan.refusals = {f: [n for n in (L.name for L in analysis.layers) if refusal(by_name[n], f)]
+                     for f in candidates_formats}
     return plan, result
+
+
+def _us(t: float | None) -> str:
+    return "not estimated" if t is None else f"{t * 1e6:.3g} us"
+
+
+def _override_reason(d, base: Format, L: LayerFinding, ref: float, budget_rel: float) -> str:
+    """Why this module runs in ``d.format`` rather than ``base`` (the format it would otherwise run in)."""
+    chosen = d.format
+    head = f"{chosen} instead of {base}"
+    tied = (" (shares parameters" + d.reason.split(" (shares parameters", 1)[1]) if " (shares parameters" in d.reason \
+        else ""
+    why_base = refusal(L, base) if base in LOW_PRECISION_FORMATS else None
+    if why_base is None:
+        why_base = next((w.split(" not allowed (", 1)[1][:-1] for w in d.why_not
+                         if w.startswith(f"{base} not allowed")), None)
+    if why_base:
+        return f"{head}: {base} refused, {why_base}" + tied
+    if base is not Format.FP32 and base not in d.impact:
+        note = (L.errors[base].local_note if L.errors.get(base) else None) or "no local re-run in it"
+        return f"{head}: {base}'s effect on the loss was not measured for it ({note})" + tied
+    ib, ic = d.impact.get(base), d.impact.get(chosen, 0.0)
+    tb, tc = d.time_s.get(base), d.time_s.get(chosen)
+    if ib is not None and ic is not None and ic < ib and (d.promoted or (tb is not None and tc is not None
+                                                                          and tc >= tb)):
+        before = f"; the plan's estimated loss change was {d.predicted_before / ref:.2e}" \
+            if d.predicted_before is not None else ""
+        return (f"{head}: {base} here adds an estimated {ib / ref:.2e} relative loss change "
+                f"({chosen}: {ic / ref:.2e}){before}, over the budget {budget_rel:.2e}; this move saved the most "
+                f"loss per unit of step time" + tied)
+    if tb is not None and tc is not None and tc < tb:
+        return (f"{head}: estimated {_us(tc)} per step vs {_us(tb)} in {base}; its estimated loss change "
+                f"{(ic or 0.0) / ref:.2e} (budget {budget_rel:.2e})" + tied)
+    return (f"{head}: same estimated time ({_us(tc)} per step); at equal time {chosen} comes first in the "
+            f"preference order (bf16, fp16, tf32, fp32: bf16 needs no loss scaling)" + tied)
+
+
+def _kept_reason(d, base: Format, ref: float, budget_rel: float) -> str:
+    if "cannot change the loss" in d.reason:
+        return d.reason
+    i = d.impact.get(base)
+    fig = f"estimated loss change {i / ref:.2e}" if i is not None else "loss effect not measured"
+    return f"{'default format' if base is d.format else base}: {fig} (budget {budget_rel:.2e} for the whole plan)"
 
 
 def _tied_groups(model) -> dict[str, str]:

@@ -481,11 +481,14 @@ def _headline(audit, formats, summary, plan, target, ls) -> dict[str, Any]:
     if isinstance(ver.get("loss_rel_change"), (int, float)):
         within = ver.get("within_budget")
         parts.append(f"measured {fmt_num(ver['loss_rel_change'])} relative to FP32 with the plan applied "
-                     f"(verification pass" + (f"; budget {fmt_num(budget_rel)}" if budget_rel is not None else "")
+                     f"({ver.get('source') or 'verification pass'}" + (f"; budget {fmt_num(budget_rel)}" if budget_rel is not None else "")
                      + ("" if within is None else ", within it" if within else ", over it") + ")")
     elif ver.get("error"):
         parts.append(f"the verification pass failed: {ver['error']}")
-    if isinstance(plan.get("predicted_loss_change"), (int, float)):
+    if isinstance(plan.get("predicted_loss_rel_change"), (int, float)):
+        parts.append(f"predicted {fmt_num(plan['predicted_loss_rel_change'])} (first-order, calibrated against the "
+                     "all-format passes)")
+    elif isinstance(plan.get("predicted_loss_change"), (int, float)):
         budget = plan.get("loss_budget")
         parts.append(f"predicted {fmt_num(plan['predicted_loss_change'])} for the plan (absolute, first-order"
                      + (f"; budget {fmt_num(budget)}" if isinstance(budget, (int, float)) else "") + ")")

@@ -186,6 +186,16 @@ def summary_text(audit: dict[str, Any]) -> str:
             lines.append(f"    for the plan: {fmt_num(lp['recommended_init_scale'])} — {lp['reason']}")
     lines += alignment_lines(audit.get("alignment"))
     lines.append(f"  plan: {audit['verdict']['message']}")
+    plan = audit.get("plan") or {}
+    ver = plan.get("verification") or {}
+    if plan.get("chosen"):
+        est = plan.get("estimated_step_time_s")
+        lines.append(f"    returned: {plan['chosen']}"
+                     + (f", est. {fmt_seconds(est)} per step" if est is not None else "")
+                     + (f", verified loss change {fmt_num(ver.get('loss_rel_change'))}"
+                        if ver.get("loss_rel_change") is not None else "")
+                     + (f", predicted {fmt_num(plan.get('predicted_loss_rel_change'))}"
+                        if plan.get("predicted_loss_rel_change") is not None else ""))
     for name, o in audit["plan"]["overrides"].items():
         lines.append(f"    {name or '(model)'} -> {o['format']}: {o['reason']}")
     if audit.get("mode") == "emulated":

@@ -1,0 +1,228 @@
+"""The FP32 noise floor: how much the reference itself moves when only the reduction order changes.
+
+On a CPU the order in which a GEMM or a convolution sums its products depends on how many threads split the
+work, so the same FP32 model gives slightly different losses at 1 and at 2 threads — and every low-precision
+pass, which rounds those FP32 sums, moves with it (ResNet-50's BF16 loss change was 1.85e-2 at 2 threads and
+1.15e-2 at 1). A verdict or a plan decision that rests on a difference smaller than that spread is an accident of
+the thread count.
+
+:func:`measure_noise_floor` re-runs, forward only and with no instrumentation, the FP32 reference and each
+format's pass at a second thread count (1 when the audit runs with more, else 2), and compares the FP32 run with
+the reference on the loss, the model output and a sample of layers. The pair of thread counts is the same
+whichever of the two the audit runs with, so a decision taken on the pair (the upper end of what the two
+orders measured: see docs/plan.md, "Noise floor") is the same at 1 and at 2 threads. On CUDA the thread count
+does not change a kernel's reduction order; there the second run repeats the first (run-to-run
+nondeterminism only) and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..formats import Format
+from .records import float_tensors
+from .stats import ErrorStats
+
+log = logging.getLogger(__name__)
+
+SAMPLE_LAYERS = 8  # layers whose FP32 outputs are compared between the two orders, spread over the model
+
+
+@dataclass
+class OrderRun:
+    """One forward pass at the second reduction order: its loss and its output against that order's FP32 run."""
+
+    loss: float | None
+    output_rel_error: float | None
+    error: str | None = None
+
+
+@dataclass
+class NoiseFloor:
+    """What the second reduction order measured. ``threads``: (the audit's, the second run's); None on CUDA."""
+
+    method: str
+    threads: tuple[int, int] | None
+    reference_loss: float | None  # the FP32 loss at the second order
+    loss_rel: float  # |L_fp32(order 2) - L_fp32(order 1)| / |L_fp32(order 1)|
+    output_rel_error: float  # the FP32 output of order 2 against order 1 (relative L2)
+    layers: dict[str, float] = field(default_factory=dict)  # sample: module -> relative L2 of its FP32 output
+    runs: dict[Format, OrderRun] = field(default_factory=dict)  # each format's pass at the second order
+    outputs: list[torch.Tensor] | None = field(default=None, repr=False)  # the FP32 output at the second order
+
+    def rel_change(self, loss: float | None) -> float | None:
+        """A loss measured at the second order, against the FP32 loss of that order."""
+        ref = self.reference_loss
+        if loss is None or ref is None or not math.isfinite(loss):
+            return None
+        return abs(loss - ref) / abs(ref) if ref else abs(loss)
+
+    def loss_rel_change(self, fmt: Format) -> float | None:
+        """``fmt``'s loss change against the FP32 run of the same (second) order."""
+        r = self.runs.get(fmt)
+        return None if r is None else self.rel_change(r.loss)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "threads": list(self.threads) if self.threads else None,
+            "fp32_loss_rel": self.loss_rel,
+            "fp32_output_rel_error": self.output_rel_error,
+            "fp32_layers_rel_l2": dict(self.layers),
+            "second_order": {f.value: {"loss": r.loss, "loss_rel_change": self.loss_rel_change(f),
+                                       "output_rel_error": r.output_rel_error, "error": r.error}
+                             for f, r in self.runs.items()},
+            "rule": "a format is within budget only when both reduction orders measure it within budget; "
+                    "the plan's verification is held to the same rule",
+        }
+
+
+def second_threads(main: int) -> int:
+    """The other member of the pair {1, 2} (or 1 for a machine running more threads)."""
+    return 1 if main > 1 else 2
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _sample(session) -> list[torch.nn.Module]:
+    recs = sorted((r for r in session.layers.values() if r.name and r.computes), key=lambda r: r.order)
+    if not recs:
+        return []
+    step = max(1, len(recs) // SAMPLE_LAYERS)
+    names = list(dict.fromkeys(r.name for r in recs[::step][:SAMPLE_LAYERS - 1] + [recs[-1]]))
+    by_name = dict(session.model.named_modules())
+    return [by_name[n] for n in names if n in by_name]
+
+
+def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
+    """Re-run the FP32 reference and each format forward-only at the second reduction order (see module doc).
+
+    ``session`` is a :class:`~precision_audit.capture.runner.CaptureSession` whose reference and format passes
+    have run (its FP32 outputs are what the sample of layers is compared against).
+    """
+    cuda = session.config.mode == "cuda"
+    main = torch.get_num_threads()
+    alt = None if cuda else second_threads(main)
+    method = ("the FP32 reference and each format re-run forward at the same settings (on CUDA the CPU thread "
+              "count does not change a kernel's reduction order: this measures run-to-run nondeterminism only)"
+              if cuda else f"the FP32 reference and each format re-run forward with {alt} CPU thread(s) instead of "
+                           f"{main}: the GEMMs and convolutions split their sums differently")
+    ref_store = session._ref_outputs  # the reference pass's FP32 outputs, per module and call
+    root_ref = (ref_store.get(id(session.model)) or [None])[0]
+    sample = _sample(session)
+    layer_err: dict[str, ErrorStats] = {}
+    hooks = []
+
+    def hook_for(name: str, mid: int):
+        def hook(m, args, out):
+            refs = ref_store.get(mid)
+            ys = float_tensors(out)
+            if not refs or name in layer_err or len(refs[0]) != len(ys):
+                return
+            e = ErrorStats()
+            for r, y in zip(refs[0], ys):
+                if r.shape == y.shape:
+                    e.update(r, y.detach())
+            layer_err[name] = e
+        return hook
+
+    alt_outputs: list[torch.Tensor] | None = None
+    ref_loss: float | None = None
+    out_err = math.nan
+    with _threads(alt):
+        for m in sample:
+            hooks.append(m.register_forward_hook(hook_for(session._names[id(m)], id(m))))
+        try:
+            session._reset()
+            with torch.no_grad(), session._fp32_reference_switches():
+                out = session._forward(session.model)
+                ref_loss = float(session._loss_of(out).detach().float())
+            alt_outputs = [y.detach().clone() for y in float_tensors(out)]
+            if root_ref is not None and len(root_ref) == len(alt_outputs):
+                e = ErrorStats()
+                for r, y in zip(root_ref, alt_outputs):
+                    e.update(r, y)
+                out_err = e.rel_l2
+        finally:
+            for h in hooks:
+                h.remove()
+            session._stack.clear()
+        runs: dict[Format, OrderRun] = {}
+        for f in formats:
+            run = session.runs.get(f)
+            if run is not None and run.error:
+                continue
+            runs[f] = _format_forward(session, f, alt_outputs)
+    session._reset()
+    main_loss = session.reference.loss if session.reference else None
+    loss_rel = (abs(ref_loss - main_loss) / abs(main_loss) if main_loss else abs(ref_loss - (main_loss or 0.0))) \
+        if ref_loss is not None and main_loss is not None else math.nan
+    return NoiseFloor(method=method, threads=None if cuda else (main, alt), reference_loss=ref_loss,
+                      loss_rel=loss_rel, output_rel_error=out_err,
+                      layers={n: e.rel_l2 for n, e in layer_err.items()}, runs=runs, outputs=alt_outputs)
+
+
+def _format_forward(session, fmt: Format, ref_outputs: list[torch.Tensor] | None) -> OrderRun:
+    session._reset()
+    try:
+        with torch.no_grad(), session._autocast(fmt):
+            out = session._forward(session.model)
+            loss = float(session._loss_of(out).detach().float())
+        ys = float_tensors(out)
+        err = None
+        if ref_outputs is not None and len(ref_outputs) == len(ys):
+            e = ErrorStats()
+            for r, y in zip(ref_outputs, ys):
+                e.update(r, y)
+            err = e.rel_l2
+        return OrderRun(loss=loss, output_rel_error=err)
+    except Exception as e:  # reported beside the figure, never fatal: the main pass already measured it
+        return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
+    finally:
+        session._stack.clear()
+
+
+def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> OrderRun:
+    """The plan's verification forward at the second reduction order, against that order's FP32 run."""
+    cuda = session.config.mode == "cuda"
+    alt = None if cuda else (noise.threads[1] if noise.threads else None)
+    device_type = "cuda" if cuda else "cpu"
+    with _threads(alt):
+        session._reset()
+        handle = policy.apply(session.model, device_type=device_type)
+        try:
+            with torch.no_grad(), (session._autocast(default) if default else contextlib.nullcontext()):
+                out = session._forward(session.model)
+                loss = float(session._loss_of(out).detach().float())
+            ys = float_tensors(out)
+            err = None
+            if noise.outputs is not None and len(noise.outputs) == len(ys):
+                e = ErrorStats()
+                for r, y in zip(noise.outputs, ys):
+                    e.update(r, y)
+                err = e.rel_l2
+            return OrderRun(loss=loss, output_rel_error=err)
+        except Exception as e:  # the plan itself fails: reported as a broken plan, not a crash
+            return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
+        finally:
+            handle.remove()
+            session._stack.clear()
+            session._reset()
