@@ -31,7 +31,7 @@ from .capture.compiled import KERNEL_CHOICES
 from .capture.compiled import resolve as resolve_kernels
 from .capture.noise import measure_noise_floor
 from .capture.runner import CaptureConfig, CaptureSession
-from .errors import AuditError, ModelRunError, OptionError
+from .errors import SEED_MAX, SEED_MIN, AuditError, ModelRunError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 
 
 #: The seeds torch.manual_seed accepts (negative ones are mapped onto the unsigned range).
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 _FORMAT_VALUES = frozenset(f.value for f in Format)
 
 
@@ -115,6 +114,10 @@ class AuditOptions:
             raise wrong("out", "a folder path (str or pathlib.Path), not empty")
         if self.target is not None and not isinstance(self.target, str):
             raise wrong("target", "None, or a GPU name or alias (str), e.g. 'h100'")
+        if isinstance(self.target, str) and not self.target.strip():
+            # an empty name must not silently mean "the default target" (the CLI refuses --target "" too)
+            raise OptionError("target is empty", expected="a GPU name or alias, e.g. 'h100', or None for the default",
+                              found=repr(self.target), hint="`precision-audit targets` lists the names")
         if isinstance(self.formats, str):
             setf("formats", parse_formats(self.formats))
         elif isinstance(self.formats, (list, tuple)):

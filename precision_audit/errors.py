@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+# The seeds torch's random generators accept (torch.manual_seed): --seed of the audit and of verify.
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+
 class AuditError(Exception):
     """A problem with the user's input, explained: what was expected, what was found, how to fix it.
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import OptionError
+from .errors import SEED_MAX, SEED_MIN, OptionError
 from .formats import Format
 from .policy.schema import Policy
 from .tf32_switches import tf32_switches
@@ -46,6 +46,10 @@ class VerifyOptions:
             raise OptionError("--lr must be a positive number", found=repr(self.lr))
         if self.optimizer not in OPTIMIZERS:
             raise OptionError(f"unknown --optimizer {self.optimizer!r}", choices=OPTIMIZERS)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX:
+            raise OptionError("--seed is outside the range torch's random generators accept",
+                              expected=f"a whole number from {SEED_MIN} to {SEED_MAX} (-2**63 to 2**64 - 1)",
+                              found=repr(self.seed), hint="pick a smaller seed, e.g. --seed 0")
 
 
 def _optimizer(opts: VerifyOptions, params) -> torch.optim.Optimizer:

@@ -53,6 +53,10 @@ CASES = [
     Case("verify-steps-zero", ["verify", MLP, "--batch", MLP_BATCH, "--policy", "policy.json", "--steps", "0"],
          ("--steps", "from 1 to")),
     Case("export-to-empty", ["export", "policy.json", "--to", ""], ("--to", "invalid choice: ''")),
+    Case("verify-seed-too-large", ["verify", MLP, "--batch", MLP_BATCH, "--policy", "policy.json",
+                                   "--seed", str(2 ** 64)], ("--seed", "outside the range", "2**64 - 1")),
+    Case("verify-seed-too-small", ["verify", MLP, "--batch", MLP_BATCH, "--policy", "policy.json",
+                                   "--seed", str(-(2 ** 63) - 1)], ("--seed", "outside the range")),
 ]
 
 
@@ -148,3 +152,14 @@ def test_catalogue_ids_are_unique():
     """These cases count toward the bad-input catalogue (tests/test_bad_inputs.py); ids must not repeat."""
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 10
+
+
+@pytest.mark.parametrize("target", ["", "   "], ids=["empty", "blank"])
+def test_the_python_api_refuses_an_empty_target_too(target):
+    """AuditOptions(target="") must not silently mean the default target, as the CLI's --target "" doesn't."""
+    from precision_audit.audit import AuditOptions
+    from precision_audit.errors import OptionError
+
+    with pytest.raises(OptionError, match="target is empty"):
+        AuditOptions(model=MLP, target=target)
+    assert AuditOptions(model=MLP, target="h100").target == "h100"
