@@ -18,8 +18,8 @@ from .errors import AuditError  # noqa: E402  (no torch: `import precision_audit
 #: place before that (README.md, "Exit codes").
 #: ``audit`` is the module precision_audit/audit.py itself, which is callable: ``precision_audit.audit(model,
 #: batch)`` runs precision_audit/api.py's audit().
-_LAZY = {"audit": ".audit", "AuditOptions": ".audit", "run_audit": ".audit", "AuditResult": ".audit", "Format": ".formats",
-         "load_policy": ".policy.io", "Policy": ".policy.schema"}
+_LAZY = {"audit": ".audit", "AuditOptions": ".audit", "run_audit": ".audit", "AuditResult": ".audit",
+         "Format": ".formats", "load_policy": ".policy.io", "Policy": ".policy.schema"}
 
 
 def __getattr__(name: str):
@@ -31,4 +31,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AuditError", "audit", "AuditOptions", "AuditResult", "Format", "Policy", "load_policy", "run_audit", "__version__"]
+__all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "audit", "load_policy", "run_audit",
+           "__version__"]
