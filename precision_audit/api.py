@@ -101,6 +101,8 @@ def audit(
                         budget=budget_obj, kernels=kernels)
     check_trainable(inner, source)
     subject = Subject(inner, source, _interpret(_copy_tensors(batch_raw, {}), inner, BATCH_LABEL))
+    if say is TqdmProgress:
+        say = TqdmProgress()
     try:
         try:
             c = compute_audit(opts, say, subject=subject)
@@ -151,7 +153,7 @@ def _check_arguments(model: Any, batch: Any, loss_fn: Any, budget: Any, progress
                                    "max_loss_rel_change and/or max_output_rel_error",
                           found=f"{type(budget).__name__}: {_short_repr(budget)}")
     if isinstance(progress, bool):
-        say = TqdmProgress() if progress else None
+        say = TqdmProgress if progress else None  # the bar is made when the audit starts
     elif callable(progress):
         say = progress
     else:

@@ -341,3 +341,38 @@ def test_audit_is_lazy_and_callable():
             "assert m is audit and callable(audit) and m.run_audit; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_wrapped_model_is_audited_as_the_model_inside():
+    torch.manual_seed(0)
+    inner = _Tiny()
+    r = precision_audit.audit(nn.DataParallel(inner), torch.randn(4, 8), steps=0, formats="bf16", progress=False)
+    assert r.audit["model"]["class"] == "_Tiny"
+    r.policy.check_model(inner)  # the policy names the inner model's modules
+
+
+def test_repr_html_renders_in_a_browser(tmp_path):
+    """The fragment in headless Chromium (as a notebook shows it, inside a page): no console error, no request,
+    the per-layer table collapsed until its summary is clicked."""
+    from test_report_browser import CHROMIUM, Chromium
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"headless Chromium not available: {CHROMIUM} is missing (.ci/run installs it)")
+    torch.manual_seed(0)
+    r = precision_audit.audit(_Tiny(), (torch.randn(4, 8), torch.randint(0, 4, (4,))), steps=0, progress=False)
+    page = tmp_path / "cell.html"
+    page.write_text("<!DOCTYPE html><html><head><meta charset='utf-8'><title>cell</title></head><body>"
+                    + r._repr_html_() + "</body></html>", encoding="utf-8")
+    b = Chromium(tmp_path / "profile")
+    try:
+        b.open(page)
+        assert b.errors() == []
+        assert b.eval("performance.getEntriesByType('resource').length") == 0  # nothing fetched
+        assert b.eval("document.querySelectorAll('.pa-nb table').length") >= 2
+        shown = "document.querySelector('.pa-nb details table').checkVisibility()"
+        assert b.eval("document.querySelector('.pa-nb details').open") is False and b.eval(shown) is False
+        b.click(".pa-nb details summary")
+        assert b.eval("document.querySelector('.pa-nb details').open") is True and b.eval(shown) is True
+        assert b.eval("document.querySelector('.pa-nb .v').textContent").startswith(r.audit["verdict"]["message"])
+    finally:
+        b.close()
