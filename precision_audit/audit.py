@@ -5,6 +5,9 @@ Only this module sees every stage. Example::
     from precision_audit import AuditOptions, run_audit
     result = run_audit(AuditOptions(model="sample_models/mlp/model.py", batch="sample_models/mlp/sample.pt"))
     result.exit_code, result.files
+
+The module is also callable: ``precision_audit.audit(model, batch, ...)`` audits live objects through the same
+:func:`compute_audit` (precision_audit/api.py; README.md, "From Python").
 """
 
 from __future__ import annotations
