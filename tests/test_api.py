@@ -291,7 +291,8 @@ def test_repr_html_is_valid_self_contained_and_escaped(tmp_path):
 def test_result_methods_match_the_command_line(tmp_path):
     torch.manual_seed(0)
     r = precision_audit.audit(_Tiny(), (torch.randn(4, 8), torch.randint(0, 4, (4,))), steps=0, formats="bf16",
-                              progress=False)
+                              progress=False, budget={"max_loss_rel_change": 0.5})
+    assert r.audit["options"]["budget"] == {"max_loss_rel_change": 0.5, "max_output_rel_error": 0.05}
     assert r.summary() == summary_text(r.audit)
     page = r.to_html()
     assert page.lstrip().lower().startswith("<!doctype html") and r.html is page
@@ -376,3 +377,14 @@ def test_repr_html_renders_in_a_browser(tmp_path):
         assert b.eval("document.querySelector('.pa-nb .v').textContent").startswith(r.audit["verdict"]["message"])
     finally:
         b.close()
+
+
+def test_save_writes_the_profiler_traces_of_the_timed_steps(tmp_path):
+    torch.manual_seed(0)
+    r = precision_audit.audit(_Tiny(), torch.randn(4, 8), steps=1, formats="bf16", progress=False)
+    traces = r.audit["traces"]["files"]
+    assert traces and r.files == []
+    r.save(tmp_path / "t")
+    for name in traces:
+        assert (tmp_path / "t" / name).stat().st_size > 0
+        assert tmp_path / "t" / name in r.files
