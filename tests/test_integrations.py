@@ -93,7 +93,7 @@ def test_hf_callback_audits_the_first_batch_and_leaves_training_unchanged(tmp_pa
 def test_hf_callback_audit_loss_is_the_untrained_models_loss(tmp_path):
     """Without dropout the audit's FP32 loss equals, to float rounding, the untrained model's loss on the batch:
     the audit ran before the first optimizer step, on the batch the Trainer fed."""
-    cb = PrecisionAuditCallback(steps=0, formats="bf16", progress=False)
+    cb = PrecisionAuditCallback(steps=0, formats="fp16", progress=False)
     model = _no_dropout(_gpt2())
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     first_inputs = []
@@ -109,21 +109,27 @@ def test_hf_callback_audit_loss_is_the_untrained_models_loss(tmp_path):
     assert torch.equal(first_inputs[0]["input_ids"], SEQ.repeat(4, 1))
     # bf16=True: accelerate wraps the forward in bf16 autocast; the audit's reference must still be plain fp32
     assert cb.result.audit["summary"]["fp32"]["loss"] == pytest.approx(expected, rel=1e-6)
-    if cb.result.policy.default_format != "bf16":
-        assert any("the trainer runs bf16" in n for n in cb.notes)
-    else:
-        assert not any("the trainer runs" in n for n in cb.notes)
+    assert cb.result.policy.default_format == "fp16"
+    assert [n for n in cb.notes if "the trainer runs bf16" in n and "not as the plan says" in n], cb.notes
+    assert not any("loss scaling" in n for n in cb.notes)  # the policy is not applied: its fp16 is not trained
 
 
-def test_hf_callback_conflict_with_the_trainer_flag_is_reported(tmp_path):
-    cb = PrecisionAuditCallback(steps=0, formats="fp16", progress=False)
+def test_hf_callback_conflict_with_the_trainer_flag_is_reported_and_the_policy_wins(tmp_path):
+    """bf16=True Trainer, a plan in fp16: both conflicts are reported, and with apply_policy the modules run in
+    fp16 inside accelerate's bf16 autocast."""
+    cb = PrecisionAuditCallback(apply_policy=True, steps=0, formats="fp16", progress=False)
     model = _gpt2()
-    targs = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
+    seen = []
+    model.get_submodule("transformer.h.0.attn.c_attn").register_forward_hook(
+        lambda m, i, o: seen.append(o.dtype) if cb.result else None)
+    targs = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True,
                               report_to=[], save_strategy="no", disable_tqdm=True, bf16=True)
     Trainer(model=model, args=targs, train_dataset=_Same(), callbacks=[cb]).train()
-    assert cb.result.policy.default_format != "bf16"  # only fp16 was audited
-    assert any("the trainer runs bf16 (bf16=True, fp16=False)" in n and "not as the plan says" in n
+    assert cb.result.policy.default_format == "fp16"  # only fp16 was audited, and the tiny GPT-2 is safe in it
+    assert any("the trainer runs bf16 (bf16=True, fp16=False)" in n and "win inside them" in n
                for n in cb.notes), cb.notes
+    assert any("needs loss scaling" in n for n in cb.notes), cb.notes
+    assert seen == [torch.float16, torch.float16]
 
 
 def test_hf_callback_applies_the_policy(tmp_path):
