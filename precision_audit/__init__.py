@@ -2,8 +2,12 @@
 
 Example::
 
+    import precision_audit
+    result = precision_audit.audit(model, (x, y))          # live objects (README.md, "From Python")
+    print(result.summary())
+
     from precision_audit import AuditOptions, run_audit
-    result = run_audit(AuditOptions(model="model.py", batch="sample.pt"))
+    result = run_audit(AuditOptions(model="model.py", batch="sample.pt"))   # files, as the command line
 """
 
 __version__ = "0.1.0"
@@ -12,16 +16,20 @@ from .errors import AuditError  # noqa: E402  (no torch: `import precision_audit
 
 #: Imported on first use: importing torch takes seconds, and the command line must have its Ctrl-C handling in
 #: place before that (README.md, "Exit codes").
-_LAZY = {"AuditOptions": ".audit", "run_audit": ".audit", "AuditResult": ".audit", "Format": ".formats",
-         "load_policy": ".policy.io", "Policy": ".policy.schema"}
+#: ``audit`` is the module precision_audit/audit.py itself, which is callable: ``precision_audit.audit(model,
+#: batch)`` runs precision_audit/api.py's audit().
+_LAZY = {"audit": ".audit", "AuditOptions": ".audit", "run_audit": ".audit", "AuditResult": ".audit",
+         "Format": ".formats", "load_policy": ".policy.io", "Policy": ".policy.schema"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        module = importlib.import_module(_LAZY[name], __name__)
+        return module if name == "audit" else getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "load_policy", "run_audit", "__version__"]
+__all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "audit", "load_policy", "run_audit",
+           "__version__"]

@@ -5,6 +5,9 @@ Only this module sees every stage. Example::
     from precision_audit import AuditOptions, run_audit
     result = run_audit(AuditOptions(model="sample_models/mlp/model.py", batch="sample_models/mlp/sample.pt"))
     result.exit_code, result.files
+
+The module is also callable: ``precision_audit.audit(model, batch, ...)`` audits live objects through the same
+:func:`compute_audit` (precision_audit/api.py; README.md, "From Python").
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import json
 import logging
 import math
 import os
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +40,8 @@ from .errors import SEED_MAX, SEED_MIN, AuditError, ModelRunError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
-from .loading import Batch, check_trainable, LossSpec, load_batch, load_model, output_structure, resolve_loss
+from .loading import (Batch, LossSpec, ModelSource, check_trainable, load_batch, load_model, output_structure,
+                      resolve_loss)
 from .outputs import Staging, check_out_dir
 from .planning.rules import Plan, make_planned
 from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
@@ -145,13 +151,73 @@ class AuditOptions:
 
 @dataclass
 class AuditResult:
+    """One finished audit: audit.json's content, the policy, and what was written (``files``, empty until saved).
+
+    The same record comes from :func:`run_audit` (already saved into ``--out``) and from
+    ``precision_audit.audit(model, batch)`` (saved only when ``out=`` is given, or by :meth:`save`).
+    In Jupyter it renders itself (:meth:`_repr_html_`: verdict, per-format table, plan, per-layer table).
+
+    Example::
+
+        result = precision_audit.audit(model, batch)
+        print(result.summary())        # the terminal table
+        result.policy                  # the per-layer Policy (result.policy.apply(model) to train under it)
+        result.save("audit")           # audit.json, policy.json, report.html and tb/, all or nothing
+    """
+
     audit: dict[str, Any]
     policy: Policy
-    html: str
     exit_code: int
     files: list[Path]
     analysis: Analysis
     plan: Plan
+    #: The profiler traces of the timed steps, written under ``tb/`` by :meth:`save`.
+    traces: dict[str, bytes] = field(default_factory=dict, repr=False)
+    _html: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def html(self) -> str:
+        """report.html's text (rendered once, on first use)."""
+        return self.to_html()
+
+    def to_html(self) -> str:
+        """The full report page, as :meth:`save` writes it to report.html (self-contained, no network)."""
+        if self._html is None:
+            from .report.html import render_html  # jinja2 only when a report is wanted
+
+            self._html = render_html(self.audit, self.policy.to_dict())
+        return self._html
+
+    def summary(self) -> str:
+        """The table the command line prints at the end of an audit, as text."""
+        from .report.terminal import summary_text
+
+        return summary_text(self.audit)
+
+    def save(self, out: str | os.PathLike[str]) -> list[Path]:
+        """Write audit.json, policy.json, report.html and ``tb/`` into ``out`` (the same files as the command
+        line), all or nothing (precision_audit/outputs.py); returns the paths and sets :attr:`files`.
+        audit.json's ``options.out`` records ``out`` as given."""
+        given = _out_path(out)
+        check_out_dir(given, _OUT_FOLDERS)
+        options = self.audit.get("options")
+        if isinstance(options, dict) and options.get("out") != str(given):
+            options["out"] = str(given)
+            self._html = None  # the report lists the options
+        self.files = _write_outputs(_absolute(given), given, self.audit, self.policy, self.to_html(), self.traces)
+        return self.files
+
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: a self-contained fragment (no scripts, no network); see docs in README.md,
+        "In a notebook"."""
+        from .report.notebook import notebook_html
+
+        return notebook_html(self.audit, self.policy.to_dict(), self.files)
+
+    def __repr__(self) -> str:
+        v = self.audit.get("verdict", {})
+        return (f"<AuditResult {self.audit.get('model', {}).get('class', '?')}: exit code {self.exit_code}; "
+                f"{v.get('message', '')}>")
 
 
 Progress = Callable[[str], None]
@@ -211,6 +277,8 @@ class AuditComputation:
 def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResult:
     """Run the whole audit and write report.html, policy.json, audit.json and ``tb/`` into ``opts.out``.
 
+    The file-based entry point (the command line calls it): it loads MODEL and BATCH from files, then runs the
+    same core as ``precision_audit.audit(model, batch)`` (precision_audit/api.py) and saves the result.
     ``--out`` and ``--batch`` are made absolute before the model file is imported, so a model that changes the
     working directory does not move them. The outputs are all-or-nothing (precision_audit/outputs.py): the
     folder keeps the previous audit untouched unless every new file was written. A model that calls
@@ -229,27 +297,44 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         raise model_exit_error(e, given.model) from e
     _record_paths_as_given(c.audit, opts, given)
     say("writing report.html, policy.json and audit.json")
-    from .report.html import render_html  # jinja2 only when writing
+    result = result_of(c)
+    result.files = _write_outputs(opts.out, given.out, c.audit, c.policy, result.to_html(), c.capture.traces)
+    return result
+
+
+def result_of(c: AuditComputation) -> AuditResult:
+    """The record of a finished computation, not yet saved (``files`` empty)."""
+    return AuditResult(audit=c.audit, policy=c.policy, exit_code=c.exit_code, files=[], analysis=c.analysis,
+                       plan=c.plan, traces=dict(c.capture.traces))
+
+
+def _write_outputs(out: Path, given: Path, audit: dict[str, Any], policy: Policy, html: str,
+                   traces: dict[str, bytes]) -> list[Path]:
+    """Stage every output in ``out`` (absolute) and move them into place together; the paths under ``given``."""
     from .report.tensorboard import EVENT_SUFFIX, write_scalars  # tensorboard only when writing
 
-    html = render_html(c.audit, c.policy.to_dict())
-    with Staging(opts.out, _OUT_FOLDERS) as stage:
-        stage.write("audit.json", json.dumps(c.audit, indent=1, allow_nan=False) + "\n")
-        stage.write("policy.json", json.dumps(c.policy.to_dict(), indent=2, allow_nan=False) + "\n")
+    with Staging(out, _OUT_FOLDERS) as stage:
+        stage.write("audit.json", json.dumps(audit, indent=1, allow_nan=False) + "\n")
+        stage.write("policy.json", json.dumps(policy.to_dict(), indent=2, allow_nan=False) + "\n")
         stage.write("report.html", html)
-        for name, data in c.capture.traces.items():
+        for name, data in traces.items():
             stage.write(f"tb/{name}", data)
-        events = write_scalars(c.audit, stage.folder("tb/audit"))
+        events = write_scalars(audit, stage.folder("tb/audit"))
         stage.replace_old("tb/audit", f"events.out.tfevents.*{EVENT_SUFFIX}")
         written = stage.commit()
     first = ["audit.json", "policy.json", "report.html"]
-    names = first + sorted(p.relative_to(opts.out).as_posix() for p in written
-                           if p.relative_to(opts.out).as_posix() not in first)
+    names = first + sorted(p.relative_to(out).as_posix() for p in written
+                           if p.relative_to(out).as_posix() not in first)
     event_name = f"tb/audit/{events.name}"
     names = [n for n in names if n != event_name] + [event_name]  # the event file last, as before
-    files = [given.out / n for n in names]
-    return AuditResult(audit=c.audit, policy=c.policy, html=html, exit_code=c.exit_code, files=files,
-                       analysis=c.analysis, plan=c.plan)
+    return [given / n for n in names]
+
+
+def _out_path(out: Any) -> Path:
+    if isinstance(out, (str, os.PathLike)) and str(os.fspath(out)).strip():
+        return Path(os.fspath(out))
+    raise OptionError("out has the wrong type", expected="a folder path (str or pathlib.Path), not empty",
+                      found=f"{type(out).__name__}: {_short_repr(out)}")
 
 
 #: Folders the audit writes inside --out; a file of the same name is refused before the model runs.
@@ -271,14 +356,37 @@ def _record_paths_as_given(audit: dict[str, Any], used: AuditOptions, given: Aud
         batch["source"] = given.batch
 
 
-def compute_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditComputation:
-    """The audit without the outputs: load, capture, analyse, plan; returns audit.json's content."""
-    say = progress or (lambda msg: None)
+@dataclass(frozen=True)
+class Subject:
+    """What is audited: the model, where it came from (its ``loss_fn``), and the batch split for its forward.
 
-    say("loading the model and the batch")
+    :func:`load_subject` builds it from MODEL and BATCH files; ``precision_audit.audit(model, batch)`` from live
+    objects (precision_audit/api.py). The audit never changes ``model``: every pass runs on a copy
+    (precision_audit/capture/runner.py).
+    """
+
+    model: torch.nn.Module
+    source: ModelSource
+    batch: Batch
+
+
+def load_subject(opts: AuditOptions) -> Subject:
+    """Import MODEL, check it can be trained, and load BATCH (or the file's ``sample_batch()``) for it."""
     model, source = load_model(opts.model)
     check_trainable(model, source)
-    batch = load_batch(opts.batch, model, source)
+    return Subject(model, source, load_batch(opts.batch, model, source))
+
+
+def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
+                  subject: Subject | None = None) -> AuditComputation:
+    """The audit without the outputs: load (unless ``subject`` is given), capture, analyse, plan; returns
+    audit.json's content."""
+    say = progress or (lambda msg: None)
+
+    if subject is None:
+        say("loading the model and the batch")
+        subject = load_subject(opts)
+    model, source, batch = subject.model, subject.source, subject.batch
 
     hw = detect()
     if opts.target:
@@ -570,3 +678,17 @@ def _warnings(capture, spec: LossSpec, mode: str, structures: list[str]) -> list
         if run.error:
             w.append(f"{f} pass not measured: {run.error}")
     return w
+
+
+class _AuditModule(types.ModuleType):
+    """``precision_audit.audit`` is this module and, called, the live-object audit: ``precision_audit.audit(model,
+    batch, ...)`` runs :func:`precision_audit.api.audit`. (A plain function of that name in the package would be
+    replaced by this module as soon as it is imported, and ``import precision_audit.audit`` must keep working.)"""
+
+    def __call__(self, model: Any, batch: Any, **kwargs: Any) -> AuditResult:
+        from .api import audit
+
+        return audit(model, batch, **kwargs)
+
+
+sys.modules[__name__].__class__ = _AuditModule

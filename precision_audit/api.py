@@ -1,0 +1,209 @@
+"""The audit of live objects: ``precision_audit.audit(model, batch)`` from a script, a notebook or a trainer.
+
+The same core as the command line (:func:`precision_audit.audit.compute_audit`), fed an ``nn.Module`` and a batch
+in memory instead of MODEL and BATCH files (README.md, "From Python"). The batch takes the shapes a BATCH file
+takes (a tensor, a tuple/list ``(inputs..., target)``, a dict of keyword inputs) and the loss is resolved in the
+same order: ``loss_fn`` -> the model's own ``output.loss`` -> cross-entropy / MSE from the target -> a surrogate
+(precision_audit/loading.py).
+
+The model is left exactly as it was: every pass runs on a copy, with the random generators forked
+(precision_audit/capture/runner.py), and the batch is copied before the audit sees it.
+
+Example::
+
+    import precision_audit
+    result = precision_audit.audit(model, (x, y), out="audit")
+    print(result.summary())
+    result.policy.apply(model)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .analysis.findings import Budget
+from .audit import (_OUT_FOLDERS, AuditOptions, AuditResult, Subject, _absolute, _out_path, _short_repr,
+                    compute_audit, result_of)
+from .errors import BatchError, LossError, ModelLoadError, OptionError
+from .loading import ModelSource, _interpret, check_trainable, model_exit_error
+from .outputs import check_out_dir
+from .policy.schema import unwrap_model
+
+log = logging.getLogger(__name__)
+
+#: How the batch is named in messages and in audit.json's ``batch.source``.
+BATCH_LABEL = "audit(batch=...)"
+
+
+@dataclass(frozen=True)
+class _LiveSource(ModelSource):
+    """A model handed to :func:`audit` as an object: no file; ``loss_fn`` is the argument of that name."""
+
+    @property
+    def where(self) -> str:
+        return "audit()"
+
+    @property
+    def label(self) -> str:
+        return f"{self.attribute} object passed to audit()"
+
+
+def audit(
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: str | None = None,
+    formats: Any = None,
+    budget: Budget | Mapping[str, float] | None = None,
+    out: str | os.PathLike[str] | None = None,
+    progress: bool | Callable[[str], None] = True,
+    device: str = "auto",
+    emulate: bool = False,
+    steps: int = 1,
+    seed: int = 0,
+    kernels: str = "auto",
+) -> AuditResult:
+    """Audit ``model`` on ``batch`` in memory; returns the :class:`~precision_audit.audit.AuditResult`.
+
+    - ``batch``: a tensor (the one input), a tuple/list (``inputs...`` or ``(inputs..., target)``, split with
+      the forward's signature), or a dict of keyword inputs, as a BATCH file.
+    - ``loss_fn(output, batch)``: the loss to differentiate (``batch`` as given here); by default the model's
+      ``output.loss``, else cross-entropy / MSE inferred from the target, else a fixed surrogate.
+    - ``target``: the GPU to plan for (``"h100"``, ``"a100"``, ...; default: this machine's GPU, else H100);
+      ``formats``: ``"fp16,bf16"`` or a list; ``budget``: a :class:`Budget` or a dict of its fields.
+    - ``out``: a folder to save audit.json, policy.json, report.html and ``tb/`` into (all or nothing); without
+      it nothing is written (call ``result.save(folder)`` later).
+    - ``progress``: True shows a ``tqdm.auto`` progress bar (a widget in Jupyter), False nothing, or a
+      callable taking each stage's message.
+    - ``device``, ``emulate``, ``steps``, ``seed``, ``kernels``: as the command line's options of those names.
+
+    ``model`` is left exactly as it was (parameters, buffers, gradients, modes, hooks, random state). Bad
+    arguments raise an :class:`~precision_audit.errors.AuditError` subclass before anything runs.
+    """
+    inner, batch_raw, fn, budget_obj, say = _check_arguments(model, batch, loss_fn, budget, progress)
+    if out is not None:
+        out = _out_path(out)
+        check_out_dir(out, _OUT_FOLDERS)
+    name = type(inner).__name__
+    source = _LiveSource(spec=f"{name} object passed to audit()", path=None, attribute=name,
+                         module=_loss_module(fn))
+    opts = AuditOptions(model=source.spec, batch=None, out=_absolute(out) if out is not None else Path("audit"),
+                        target=target, formats=formats, device=device, emulate=emulate, steps=steps, seed=seed,
+                        budget=budget_obj, kernels=kernels)
+    check_trainable(inner, source)
+    subject = Subject(inner, source, _interpret(_copy_tensors(batch_raw, {}), inner, BATCH_LABEL))
+    if say is TqdmProgress:
+        say = TqdmProgress()
+    try:
+        try:
+            c = compute_audit(opts, say, subject=subject)
+        except SystemExit as e:
+            raise model_exit_error(e, source.spec) from e
+    finally:
+        close = getattr(say, "close", None)
+        if callable(close):
+            close()
+    result = result_of(c)
+    result.audit["options"]["out"] = None if out is None else str(out)
+    if out is not None:
+        result.save(out)
+    return result
+
+
+def _check_arguments(model: Any, batch: Any, loss_fn: Any, budget: Any, progress: Any
+                     ) -> tuple[torch.nn.Module, Any, Any, Budget, Callable[[str], None] | None]:
+    if not isinstance(model, torch.nn.Module):
+        raise ModelLoadError("audit(model, batch) takes the model as a torch.nn.Module",
+                             expected="an instance of torch.nn.Module (the model itself, not its class or a "
+                                      "state_dict)",
+                             found=f"{type(model).__name__}: {_short_repr(model)}",
+                             hint="pass the module you train, e.g. audit(model, batch)")
+    if batch is None:
+        raise BatchError("audit(model, batch) needs a batch",
+                         expected="a tensor, a tuple/list (inputs..., target), or a dict of keyword inputs",
+                         found="None", hint="pass one batch from your data loader")
+    if loss_fn is not None and not callable(loss_fn):
+        raise LossError("loss_fn is not callable", expected="None, or a function loss_fn(output, batch) -> scalar "
+                        "tensor", found=f"{type(loss_fn).__name__}: {_short_repr(loss_fn)}")
+    if budget is None:
+        budget_obj = Budget()
+    elif isinstance(budget, Budget):
+        budget_obj = budget
+    elif isinstance(budget, Mapping):
+        fields = ("max_loss_rel_change", "max_output_rel_error")
+        unknown = [k for k in budget if k not in fields]
+        if unknown:
+            raise OptionError(f"unknown budget field(s): {', '.join(map(str, unknown))}", choices=fields)
+        try:
+            budget_obj = Budget(**budget)
+        except ValueError as e:
+            raise OptionError("budget is out of range", expected="positive finite numbers", found=str(e)) from e
+    else:
+        raise OptionError("budget has the wrong type",
+                          expected="None, a precision_audit.analysis.findings.Budget, or a dict with "
+                                   "max_loss_rel_change and/or max_output_rel_error",
+                          found=f"{type(budget).__name__}: {_short_repr(budget)}")
+    if isinstance(progress, bool):
+        say = TqdmProgress if progress else None  # the bar is made when the audit starts
+    elif callable(progress):
+        say = progress
+    else:
+        raise OptionError("progress has the wrong type", expected="True, False, or a callable taking a message",
+                          found=f"{type(progress).__name__}: {_short_repr(progress)}")
+    return unwrap_model(model), batch, loss_fn, budget_obj, say
+
+
+def _loss_module(loss_fn: Any) -> types.ModuleType:
+    """The namespace the loss resolution reads ``loss_fn`` from (a model file's module on the file path)."""
+    module = types.ModuleType("audit()")
+    if loss_fn is not None:
+        module.loss_fn = loss_fn  # type: ignore[attr-defined]
+    return module
+
+
+def _copy_tensors(value: Any, memo: dict[int, torch.Tensor]) -> Any:
+    """The batch with every tensor copied (a tensor shared between places stays shared): an in-place op in the
+    forward, or a batch the caller changes later, cannot reach the caller's tensors or the audit's."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            with torch.no_grad():
+                memo[id(value)] = value.detach().clone().requires_grad_(value.requires_grad)
+        return memo[id(value)]
+    if isinstance(value, Mapping):
+        items = {k: _copy_tensors(v, memo) for k, v in value.items()}
+        try:
+            return type(value)(items)
+        except TypeError:
+            return items
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_copy_tensors(v, memo) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_copy_tensors(v, memo) for v in value)
+    return value
+
+
+class TqdmProgress:
+    """Progress for :func:`audit`: one ``tqdm.auto`` bar (a widget in Jupyter, text elsewhere) that counts the
+    audit's stages and names the current one; ``close()`` finishes it."""
+
+    def __init__(self) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=None, desc="precision-audit", unit="stage",
+                         bar_format="{desc} [{n_fmt} stages, {elapsed}]", leave=True)
+
+    def __call__(self, message: str) -> None:
+        self._bar.set_description_str(f"precision-audit: {message}", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,124 @@
+"""What the trainer callbacks share: auditing inside a training step, and training on under the policy.
+
+The audit runs inside the trainer's step (the Hugging Face callback from within the model's first training
+forward, the Lightning one from ``on_train_batch_start``), so the trainer's own mixed precision may be active
+around it: autocast is switched off for the audit, whose FP32 reference must be plain FP32, and a forward that
+``accelerate`` wrapped in its own autocast is set aside for the audit and put back after (the model object is
+otherwise untouched: the audit runs on a copy, precision_audit/api.py).
+
+Training under the policy (``apply_policy=True``): ``policy.apply(model)`` puts each module the plan overrides in
+its format, and the plan's default format goes on each top-level submodule the plan does not name, as an
+override of its own. The policy's formats then hold inside the model whatever autocast the trainer runs around
+it (an inner autocast wins over an outer one); the ops of the model's own forward outside any submodule (and
+of the training step: the loss) run as the trainer runs them. The trainer's loss scaling is the trainer's:
+fp16 modules want ``fp16=True`` (Hugging Face) / ``precision="16-mixed"`` (Lightning) for their GradScaler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import OptionError
+
+log = logging.getLogger("precision_audit.integrations")
+
+#: The audit() arguments a callback fills in itself.
+_OWN = ("model", "batch", "out")
+DEFAULT_REASON = "the policy's default format, put on this top-level module by the training callback"
+
+
+def check_audit_kwargs(kwargs: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """Refuse, when the callback is made (not at the first batch), an argument ``audit()`` does not take."""
+    from ..api import audit
+
+    accepted = [p for p in inspect.signature(audit).parameters if p not in _OWN]
+    unknown = [k for k in kwargs if k not in accepted]
+    if unknown:
+        raise OptionError(f"{owner} got argument(s) audit() does not take: {', '.join(unknown)}",
+                          choices=accepted, hint="the callback chooses the model, the batch and the output folder")
+    return dict(kwargs)
+
+
+@contextlib.contextmanager
+def plain_fp32(model: torch.nn.Module) -> Iterator[None]:
+    """Inside a training step: autocast off, gradients on, and accelerate's autocast forward set aside."""
+    saved = model.__dict__.get("forward", None)
+    original = model.__dict__.get("_original_forward")
+    if saved is not None and original is not None:
+        model.forward = original  # accelerate keeps the forward it wrapped here (its prepare_model)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+            if torch.cuda.is_available():
+                stack.enter_context(torch.autocast("cuda", enabled=False))
+            yield
+    finally:
+        if saved is not None and original is not None:
+            model.forward = saved
+
+
+def run_audit_on(model: torch.nn.Module, batch: Any, out: Path, audit_kwargs: dict[str, Any]) -> Any:
+    """Audit ``model`` on ``batch`` into ``out`` and log the summary; returns the result."""
+    from ..api import audit
+
+    with plain_fp32(model):
+        result = audit(model, batch, out=out, **audit_kwargs)
+    log.info("precision-audit on the first training batch (outputs in %s):\n%s", out, result.summary())
+    return result
+
+
+def trainer_format(bf16: bool, fp16: bool) -> str:
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
+def check_against_trainer(policy: Any, trainer_fmt: str, flag: str, apply: bool) -> list[str]:
+    """Warnings (logged, and returned) where the trainer's own precision setting disagrees with the plan.
+
+    A conflict is a trainer set to bf16 or fp16 while the plan's default is another format; with the trainer
+    in plain fp32 the plan's default is only reported (at INFO) when the policy is not applied."""
+    notes = []
+    default = policy.default_format
+    if trainer_fmt in ("bf16", "fp16") and trainer_fmt != default:
+        then = ("the policy's formats are put on the model's modules and win inside them"
+                if apply else f"training goes on in {trainer_fmt} as the trainer is set, not as the plan says")
+        notes.append(f"the trainer runs {trainer_fmt} ({flag}), but the precision audit's plan runs {default} by "
+                     f"default: {then}; set the trainer's precision to match the plan to silence this")
+    elif not apply and trainer_fmt != default:
+        log.info("precision-audit: the plan runs %s by default; training goes on in %s as the trainer is set "
+                 "(apply_policy=True trains under the plan)", default, trainer_fmt)
+    if apply and policy.loss_scaling.enabled and trainer_fmt != "fp16":
+        notes.append(f"the plan runs modules in fp16, which needs loss scaling (initial scale "
+                     f"{policy.loss_scaling.init_scale:g}), but the trainer scales the loss only in fp16 mode "
+                     f"({flag}): fp16 gradients may flush to zero")
+    for n in notes:
+        log.warning("precision-audit: %s", n)
+    return notes
+
+
+def training_policy(policy: Any, model: torch.nn.Module) -> Any:
+    """The policy with its default format added as an override on each top-level submodule it does not name
+    (on the model itself when it has none)."""
+    from ..policy.schema import ModuleOverride, unwrap_model
+
+    root = unwrap_model(model)
+    children = [name for name, _ in root.named_children()] or [""]
+    extra = {name: ModuleOverride(policy.default_format, DEFAULT_REASON) for name in children
+             if name not in policy.modules}
+    return dataclasses.replace(policy, modules={**extra, **policy.modules})
+
+
+def apply_for_training(policy: Any, model: torch.nn.Module) -> Any:
+    """Put the model under ``policy`` for the rest of training; returns the handle (``.remove()`` undoes it)."""
+    handle = training_policy(policy, model).apply(model)
+    log.info("precision-audit: training goes on under the policy (%d module(s) overridden, default %s)",
+             len(handle.modules), policy.default_format)
+    return handle

@@ -1,0 +1,125 @@
+"""The audit inside a Hugging Face ``Trainer`` (README.md, "In a Trainer").
+
+Example::
+
+    from precision_audit.integrations.transformers import PrecisionAuditCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[PrecisionAuditCallback(apply_policy=True, steps=0)])
+    trainer.train()      # audits the first batch into <output_dir>/precision-audit/, then trains under the policy
+
+How the first batch is caught: ``TrainerCallback`` events do not receive the batch (``on_step_begin`` gets no
+inputs), and drawing one from ``train_dataloader`` in ``on_train_begin`` would advance the sampler and change
+what the model trains on. So ``on_train_begin`` replaces the model's ``forward`` (an instance attribute, as
+``accelerate`` does) by a one-shot wrapper: the first forward in training mode with gradients on -- the forward
+of the first training step, before its backward and the first optimizer step -- receives exactly the inputs the
+Trainer feeds (collated, on the device, ``labels`` included), puts the original ``forward`` back, audits the
+model on those inputs, applies the policy when asked, and then runs the forward it was called for. Evaluation
+forwards (no gradients, eval mode) pass through untouched. The audit leaves the model and the random state as
+they were (precision_audit/api.py), so training with the callback (apply_policy=False) trains exactly as
+without it.
+
+In a distributed run only the main process audits; the others train on unchanged (apply_policy needs the
+policy on every process, so it is single-process only). The Trainer's ``bf16=`` / ``fp16=`` flags are compared
+with the plan and a conflict is logged as a warning (precision_audit/integrations/_common.py says how the
+policy and the Trainer's autocast combine). The handle of an applied policy is removed in ``on_train_end``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ._common import apply_for_training, check_against_trainer, check_audit_kwargs, run_audit_on, trainer_format
+
+log = logging.getLogger(__name__)
+
+#: The folder inside ``TrainingArguments.output_dir`` the outputs go to.
+OUT_FOLDER = "precision-audit"
+
+
+class PrecisionAuditCallback(TrainerCallback):
+    """Audit the model on the first training batch; ``apply_policy=True`` then trains on under the policy.
+
+    ``audit_kwargs`` go to :func:`precision_audit.audit` (``loss_fn``, ``target``, ``formats``, ``budget``,
+    ``steps``, ``progress``, ...). After training starts, ``.result`` holds the audit's result, ``.handle`` the
+    applied policy's handle and ``.notes`` the warnings about the Trainer's precision flags.
+    """
+
+    def __init__(self, apply_policy: bool = False, **audit_kwargs: Any) -> None:
+        if not isinstance(apply_policy, bool):
+            from ..errors import OptionError
+
+            raise OptionError("apply_policy must be True or False", found=repr(apply_policy))
+        self.apply_policy = apply_policy
+        self.audit_kwargs = check_audit_kwargs(audit_kwargs, "PrecisionAuditCallback")
+        self.result: Any = None
+        self.handle: Any = None
+        self.notes: list[str] = []
+        self._restore: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        if self.result is not None or model is None:
+            return
+        if not state.is_world_process_zero:
+            log.info("precision-audit: the main process audits; this one trains on unchanged")
+            return
+        out = Path(args.output_dir) / OUT_FOLDER
+        fmt = trainer_format(bool(args.bf16), bool(args.fp16))
+        flag = f"bf16={bool(args.bf16)}, fp16={bool(args.fp16)}"
+        self._restore = _first_training_forward(model, functools.partial(self._audit, model, out, fmt, flag))
+
+    def _audit(self, model: torch.nn.Module, out: Path, fmt: str, flag: str, batch: Any) -> None:
+        self._restore = None
+        self.result = run_audit_on(model, batch, out, self.audit_kwargs)
+        self.notes = check_against_trainer(self.result.policy, fmt, flag, self.apply_policy)
+        if self.apply_policy:
+            self.handle = apply_for_training(self.result.policy, model)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._restore is not None:  # training ended before any training forward
+            self._restore()
+            self._restore = None
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def _first_training_forward(model: torch.nn.Module, audit: Any) -> Any:
+    """Wrap ``model.forward`` so that its first training call audits its inputs first; returns the undo."""
+    had = "forward" in model.__dict__
+    previous = model.__dict__.get("forward")
+
+    def restore() -> None:
+        if model.__dict__.get("forward") is wrapper:
+            if had:
+                model.forward = previous
+            else:
+                del model.__dict__["forward"]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if model.training and torch.is_grad_enabled():
+            restore()
+            batch = _as_batch(args, kwargs)
+            if batch is not None:
+                audit(batch)
+            return model.forward(*args, **kwargs)
+        return (previous if had else type(model).forward.__get__(model))(*args, **kwargs)
+
+    model.forward = wrapper
+    return restore
+
+
+def _as_batch(args: tuple, kwargs: dict) -> Any:
+    """The forward's inputs as a batch ``audit()`` takes: the keyword dict, or the positional inputs."""
+    if kwargs and not args:
+        return dict(kwargs)
+    if args and not kwargs:
+        return args[0] if len(args) == 1 else tuple(args)
+    log.warning("precision-audit: the first training forward got %s; the audit takes positional or keyword "
+                "inputs, not both, so it did not run", "no inputs" if not args else "both kinds of inputs")
+    return None
