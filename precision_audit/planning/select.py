@@ -246,26 +246,10 @@ def _verify_and_repair(analysis, mc: PlanCandidate, result, verify, make_policy,
                 break
 
 
-def predicted_rel(plan: Plan, result, ref: float) -> float | None:
-    """The calibrated first-order loss change of ``plan`` (relative): each planned module's measured impact in the
-    format the plan gives it, times that format's calibration factor. None without a planner result."""
-    if result is None:
-        return None
-    total = 0.0
-    for n, raw in result.raw_impacts.items():
-        lp = plan.layers.get(n)
-        f = lp.format if lp is not None else plan.default_format
-        if f is Format.FP32 or f is Format.TF32:
-            continue
-        v = raw.get(f)
-        if v is None:
-            return None
-        total += v * result.calibration.get(f, 1.0)
-    return total / (abs(ref) or 1.0)
-
-
-def first_order_rel(plan: Plan, result, ref: float) -> float | None:
-    """The same sum without calibration: the triangle-inequality bound of the plan's loss change."""
+def _impact_sum_rel(plan: Plan, result, ref: float, calibrated: bool) -> float | None:
+    """Each planned low-precision module's measured first-order impact in the format the plan gives it, summed
+    (times that format's calibration factor when ``calibrated``), relative to the loss. None without a planner
+    result, or when a module's impact in its planned format was not measured."""
     if result is None:
         return None
     total = 0.0
@@ -277,8 +261,18 @@ def first_order_rel(plan: Plan, result, ref: float) -> float | None:
         v = raw.get(f)
         if v is None:
             return None
-        total += v
+        total += v * (result.calibration.get(f, 1.0) if calibrated else 1.0)
     return total / (abs(ref) or 1.0)
+
+
+def predicted_rel(plan: Plan, result, ref: float) -> float | None:
+    """The calibrated first-order loss change of ``plan`` (relative)."""
+    return _impact_sum_rel(plan, result, ref, calibrated=True)
+
+
+def first_order_rel(plan: Plan, result, ref: float) -> float | None:
+    """The same sum without calibration: the triangle-inequality bound of the plan's loss change."""
+    return _impact_sum_rel(plan, result, ref, calibrated=False)
 
 
 AGREEMENT = 2.0  # predicted and verified loss changes "agree" within this factor (issue 12)
