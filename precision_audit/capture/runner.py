@@ -200,9 +200,15 @@ class _OpTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not s._rerunning and s._stack and not func.is_view and func not in _NON_COMPUTE:
             s._own_ops[-1] += 1
+            if func not in _ADDS:
+                s._own_work[-1] += 1
             record_op(s._layer(s._modules[s._stack[-1]]).ops, func, args, kwargs, out)
         return out
 
+# A module's own ops that still leave it a container (not re-run alone): additions (a residual add).
+_ADDS = {_aten.add.Tensor, _aten.add_.Tensor, _aten.add.Scalar, _aten.add_.Scalar}
+CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
+                  "measured)")
 
 _WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
 
@@ -270,6 +276,7 @@ class CaptureSession:
         self._phase: Format | str | None = None
         self._stack: list[int] = []
         self._own_ops: list[int] = []
+        self._own_work: list[int] = []  # per call on the stack: its own ops other than additions (_ADDS)
         self._pre_rng: list[Any] = []
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
         self._draw_mismatches = 0
@@ -371,6 +378,7 @@ class CaptureSession:
             torch.cuda.manual_seed_all(self.config.seed)
         self._stack.clear()
         self._own_ops.clear()
+        self._own_work.clear()
         self._pre_rng.clear()
         self._call_index.clear()
         self._stat_cache.clear()
@@ -499,6 +507,7 @@ class CaptureSession:
         with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
             self._stack.append(id(m))
             self._own_ops.append(0)
+            self._own_work.append(0)
             self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs), len(self._draws))
                                  if self._phase == "ref" else None)
             if self._phase == "ref":
@@ -521,12 +530,13 @@ class CaptureSession:
     def _post_hook_body(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._stack.pop()
         own_ops = self._own_ops.pop()
+        own_work = self._own_work.pop()
         pre_rng = self._pre_rng.pop()
         rec = self._layer(m)
         ys = float_tensors(output)
         diffs: dict[Format, list[torch.Tensor]] = {}
         if self._phase == "ref":
-            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng)
+            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
         else:
             self._post_format(m, rec, ys)
         for i, y in enumerate(ys):
@@ -553,7 +563,7 @@ class CaptureSession:
             if hit is not None and hit[0]() is x:
                 hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
-    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng) -> dict:
+    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
         rec.calls += 1
         rec.own_ops += own_ops
         if rec.calls == 1:
@@ -563,6 +573,10 @@ class CaptureSession:
         self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
         computes = own_ops > 0
         rec.computes = rec.computes or computes
+        # A container whose own work in this call is additions only (a residual add) is not re-run: its local
+        # error would be its children's plus one addition's rounding, at the cost of re-running all of its
+        # children once more per format (docs/memory.md, "Local re-runs").
+        container = computes and not rec.is_leaf and own_work == 0
         for fmt in self.config.formats:
             fs = rec.formats.setdefault(fmt, FormatLayerStats())
             if rec.name == "":
@@ -571,7 +585,9 @@ class CaptureSession:
                 if fs.local is None:
                     fs.local_note = ("no computation of its own" if rec.is_leaf
                                      else "a container: its children's local errors are measured")
-        if computes and rec.name != "" and self.config.formats and ys:
+            elif container and fs.local is None:
+                fs.local_note = CONTAINER_NOTE
+        if computes and not container and rec.name != "" and self.config.formats and ys:
             return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
         return {}
 
