@@ -275,3 +275,27 @@ def test_whole_audit_leaves_the_model_as_given_even_when_interrupted(tmp_path, m
         assert_same(before, model)
     finally:
         sys.modules.pop(name, None)
+
+
+def test_a_model_moved_to_the_audits_device_gets_its_own_tensors_back():
+    """The device-move path (a CPU model audited on another device), exercised with the meta device: every
+    parameter's original ``.data`` and every original buffer object come back, storage and all, and the grads
+    stay the user's tensors on the user's device."""
+    from precision_audit.capture.runner import ModelState
+
+    model, x, _ = make_model()
+    extra = nn.Linear(2, 2)  # made before the picture: building it draws from the RNG (the session forks that)
+    before = picture(model)
+    state = ModelState(model, "meta")
+    assert state.moved
+    state.prepare()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(b.device.type == "meta" for b in model.buffers())
+    assert all(p.grad is None for p in model.parameters()), "the passes start without the user's gradients"
+    state.reset_buffers()
+    model.head.train()  # what a failed pass might leave behind
+    model.fc1.weight.requires_grad_(False)
+    model.extra = extra
+    state.restore()
+    assert not hasattr(model, "extra")
+    assert_same(before, model)
