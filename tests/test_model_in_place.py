@@ -299,3 +299,33 @@ def test_a_model_moved_to_the_audits_device_gets_its_own_tensors_back():
     state.restore()
     assert not hasattr(model, "extra")
     assert_same(before, model)
+
+
+class Counting(nn.Module):
+    """Rebinds a registered buffer in its forward (a new tensor each call, not an in-place write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1
+        return self.fc(x) * self.count
+
+
+def test_a_rebound_buffer_starts_every_pass_from_the_users_value():
+    """Every pass must see count = 1 in its forward, so every format is compared with the same reference."""
+    model = Counting()
+    x = torch.randn(3, 4)
+    before = picture(model)
+    with session(model, x) as s:
+        ref = s.reference_run()
+        runs = [s.format_run(f) for f in s.config.formats]
+        assert all(r.error is None for r in runs)
+        root = {r.name: r for r in s.result().layers}[""]
+        for f in s.config.formats:
+            # the same call count in every pass: the accumulated error stays at rounding size (x2 would be ~100%)
+            assert root.formats[f].accumulated.rel_l2 < 0.05, (f, root.formats[f].accumulated.rel_l2)
+    assert ref.loss is not None
+    assert_same(before, model)

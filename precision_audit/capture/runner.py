@@ -131,8 +131,8 @@ class ModelState:
                     self._buffers.append((m, name, b))
         self.moved = any(t.device != self.device for t in model.parameters()) or \
             any(b.device != self.device for _, _, b in self._buffers)
-        # buffers: the live tensor and the value to reset it to
-        self._live: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # buffers: owner, name, the tensor the passes use, and the value to reset it to
+        self._live: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
 
     def prepare(self) -> None:
         """Detach the user's gradients, move to the audit's device if needed, and snapshot the buffers."""
@@ -148,13 +148,16 @@ class ModelState:
                 if live is None:
                     continue
                 snap = orig if live is not orig else orig.detach().clone()
-                self._live.append((live, snap))
+                self._live.append((m, name, live, snap))
 
     def reset_buffers(self) -> None:
         """Put every buffer back to its value when the audit started. Every buffer is copied: a kernel may
-        write one without bumping its version (CPU batch_norm's running statistics), so versions cannot tell."""
+        write one without bumping its version (CPU batch_norm's running statistics), so versions cannot tell. A
+        buffer the forward rebound (``self.count = self.count + 1``) is put back as the object it was."""
         with torch.no_grad():
-            for live, snap in self._live:
+            for m, name, live, snap in self._live:
+                if m._buffers.get(name) is not live:
+                    m._buffers[name] = live
                 live.copy_(snap)
 
     def restore(self) -> None:
