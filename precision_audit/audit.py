@@ -78,7 +78,7 @@ class AuditOptions:
     formats: tuple[Format, ...] | None = None
     device: str = "auto"
     emulate: bool = False
-    steps: int = 1
+    steps: int | None = None  # None: 1 in cuda mode, 0 in emulated mode (see resolve_steps)
     seed: int = 0
     budget: Budget = field(default_factory=Budget)
     kernels: str = "auto"
@@ -87,7 +87,7 @@ class AuditOptions:
         self._coerce_and_check_types()
         if self.device not in ("auto", "cuda", "cpu"):
             raise OptionError(f"unknown --device {self.device!r}", choices=("auto", "cuda", "cpu"))
-        if not isinstance(self.steps, int) or self.steps < 0:
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):
             raise OptionError("--steps must be a whole number >= 0", found=repr(self.steps))
         if self.kernels not in KERNEL_CHOICES:
             raise OptionError(f"unknown --kernels {self.kernels!r}", choices=KERNEL_CHOICES)
@@ -138,7 +138,7 @@ class AuditOptions:
         if not isinstance(self.emulate, bool):
             raise wrong("emulate", "True or False")
         if isinstance(self.steps, bool):
-            raise wrong("steps", "a whole number >= 0 (int)")
+            raise wrong("steps", "None, or a whole number >= 0 (int)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise wrong("seed", f"a whole number (int) in [{SEED_MIN}, {SEED_MAX}]")
         if not SEED_MIN <= self.seed <= SEED_MAX:
@@ -235,6 +235,14 @@ def _resolve_device(opts: AuditOptions, hw: HardwareInfo) -> tuple[str, str]:
         return "cpu", "emulated"
     device = "cuda" if (opts.device == "cuda" or (opts.device == "auto" and hw.cuda_available)) else "cpu"
     return device, ("cuda" if device == "cuda" else "emulated")
+
+
+def resolve_steps(steps: int | None, mode: str) -> int:
+    """The timed steps per format: as asked, else 1 in cuda mode and 0 in emulated mode, where the CPU's timing
+    of an emulated step says nothing about the target GPU (README.md, ``--steps``)."""
+    if steps is not None:
+        return steps
+    return 1 if mode == "cuda" else 0
 
 
 def _select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, ...], list[dict[str, str]]]:
@@ -395,6 +403,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
         target, target_reason = default_target(hw)
     formats, skipped = _select_formats(opts, target)
     device, mode = _resolve_device(opts, hw)
+    steps = resolve_steps(opts.steps, mode)
     kernels = resolve_kernels(opts.kernels) if mode == "emulated" else "python"
     say(f"target {target.name} ({target_reason}); {mode} mode on {device}"
         f"{f' ({kernels} kernels)' if mode == 'emulated' else ''}; formats: {', '.join(f.value for f in formats) or 'none'}")
@@ -413,7 +422,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
             loss_box["spec"] = resolve_loss(source, out, run_batch)
         return loss_box["spec"](out, run_batch)
 
-    config = CaptureConfig(formats=formats, device=device, mode=mode, seed=opts.seed, timed_steps=opts.steps,
+    config = CaptureConfig(formats=formats, device=device, mode=mode, seed=opts.seed, timed_steps=steps,
                            kernels=kernels)
     with CaptureSession(model, forward, loss_of, config, progress=say) as session:
         say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
@@ -439,9 +448,9 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
         if formats:
             say("FP32 noise floor: the reference and each format re-run forward at a second reduction order")
             noise = measure_noise_floor(session, formats)
-        if opts.steps:
-            say(f"profiling {opts.steps} timed step(s) per format on {device} (after one warm-up step)")
-            session.timed_steps(opts.steps)
+        if steps:
+            say(f"profiling {steps} timed step(s) per format on {device} (after one warm-up step)")
+            session.timed_steps(steps)
         capture = session.result()
 
         say("analysing")
@@ -479,7 +488,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
         "formats_skipped": skipped,
         "options": {"model": opts.model, "batch": opts.batch, "out": str(opts.out), "target": opts.target,
                     "formats": [f.value for f in opts.formats] if opts.formats else None, "device": opts.device,
-                    "emulate": opts.emulate, "steps": opts.steps, "seed": opts.seed, "budget": opts.budget.to_dict(),
+                    "emulate": opts.emulate, "steps": steps, "seed": opts.seed, "budget": opts.budget.to_dict(),
                     "kernels": opts.kernels},
         "model": {
             "class": type(model).__name__,

@@ -120,9 +120,10 @@ def _audit_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="where the model runs (default: cuda when available)")
     p.add_argument("--emulate", action="store_true", help="emulate CUDA numerics on the CPU even when a GPU is present")
-    p.add_argument("--steps", type=_steps, default=1, metavar="N",
+    p.add_argument("--steps", type=_steps, default=None, metavar="N",
                    help="timed steps per format under torch.profiler, after one warm-up step; traces go to "
-                        f"DIR/tb (default: 1; 0 skips timing and traces; at most {MAX_STEPS})")
+                        "DIR/tb (default: 1 on a GPU, 0 in emulated mode, where CPU timings say nothing about the "
+                        f"target GPU; 0 skips timing and traces; at most {MAX_STEPS})")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for every pass (default: 0)")
     p.add_argument("--kernels", choices=("auto", "python", "compiled"), default="auto",
                    help="emulated mode's autocast kernels: compiled C++ ones are bit-identical and faster on small "

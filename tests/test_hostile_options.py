@@ -98,7 +98,8 @@ def test_steps_at_the_maximum_is_accepted_by_the_parser():
     from precision_audit.cli import _audit_parser
 
     assert _audit_parser().parse_args(["m.py", "--steps", str(MAX_STEPS)]).steps == MAX_STEPS
-    assert _audit_parser().parse_args(["m.py"]).steps == 1
+    # no --steps: resolved per mode by the audit (1 on a GPU, 0 emulated; audit.resolve_steps)
+    assert _audit_parser().parse_args(["m.py"]).steps is None
 
 
 def test_budget_key_once_each_still_works():

@@ -165,7 +165,7 @@ def test_tiny_gpt_lm_head_vocabulary_is_named_with_padding_and_saving(sample_aud
 
 
 def test_estimates_are_labelled_and_bf16_beats_fp32(sample_audits):
-    a = sample_audits.audit_json("tiny_gpt")
+    a = sample_audits.audit_json("tiny_gpt", steps=1)  # timed steps are off by default in emulated mode
     est = a["estimates"]
     assert est["kind"] == "estimate" and est["target"] == "H100 SXM"
     assert est["speedup_vs_fp32"]["bf16"] > 1 and est["speedup_vs_fp32"]["tf32"] > 1
@@ -176,7 +176,7 @@ def test_estimates_are_labelled_and_bf16_beats_fp32(sample_audits):
 
 
 def test_profiler_traces_are_written_and_hold_events_for_each_format(sample_audits):
-    _, out, _ = sample_audits.get("mlp")
+    _, out, _ = sample_audits.get("mlp", steps=1)  # timed steps are off by default in emulated mode
     a = json.loads((out / "audit.json").read_text())
     files = a["traces"]["files"]
     for fmt in ("fp32", "fp16", "bf16"):

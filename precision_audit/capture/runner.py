@@ -1,8 +1,9 @@
 """The capture runs: an FP32 reference and one pass per low-precision format, forward and backward.
 
-The user's model is never touched: the session works on a deep copy and restores its parameters and
-buffers before every run, seeds every run identically, and restores the global RNG state (every GPU's)
-when it ends. Every format sees the same dropout masks: in emulated mode the CPU kernels draw the same
+The passes run on the user's model in place, with no copy of it: the session keeps only what the passes change
+(buffers, references to existing gradients, flags, hooks; see :class:`ModelState` and docs/memory.md), resets
+the buffers before every run, seeds every run identically, and puts the model and the global RNG state (every
+GPU's) back exactly when it ends, after a failure or a Ctrl-C too. Every format sees the same dropout masks: in emulated mode the CPU kernels draw the same
 masks from the same seed whatever the dtype; in cuda mode, where they do not, the reference pass's draws
 are recorded and replayed in the other passes (capture/rng_replay.py).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -31,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from ..errors import AuditError, ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
+from ..outputs import _NoInterrupt
 from ..tf32_switches import tf32_switches
 from .memory import SavedTensorCounter
 from .rng_replay import RandomDraws, recording, replaying
@@ -81,6 +84,109 @@ class CaptureConfig:
             raise ValueError("timed_steps must be >= 0")
 
 
+#: Module attributes holding hook dictionaries: their *contents* are put back (no hook left behind, the user's
+#: own hooks kept in their order), whatever the passes or the model's forward added or removed.
+def _is_hook_dict(name: str, value: Any) -> bool:
+    return "hooks" in name and isinstance(value, dict)
+
+
+class ModelState:
+    """Everything a capture session changes on the user's model, kept to put it back exactly (docs/memory.md).
+
+    The audit runs on the user's model in place, not on a copy. What is kept is only what the passes change:
+
+    - a clone of every buffer (BatchNorm's running statistics move in train mode; buffers are small next to
+      the parameters), copied back before every pass and at the end;
+    - parameters are never copied: the passes do not write them (the reference pass refuses an in-place write to
+      a parameter before it happens, see ``_OpTracker``). When the model must move to the audit's device, the
+      original ``.data`` of each parameter and the original buffer objects are held and put back, storage and all;
+    - references to the existing ``.grad`` tensors (not copies; ``None`` stays ``None``), ``requires_grad`` per
+      parameter, ``.training`` per module, each module's attributes (rebound ones are put back, added ones
+      removed) and the contents of its hook dictionaries;
+    - the RNG states are forked by the session itself (CPU and every CUDA device).
+    """
+
+    def __init__(self, model: torch.nn.Module, device: str) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.modules = list(model.modules())
+        self._dicts: list[tuple[torch.nn.Module, dict[str, Any], dict[str, dict]]] = []
+        for m in self.modules:
+            attrs = dict(m.__dict__)
+            inner = {k: dict(v) for k, v in attrs.items()
+                     if k in ("_parameters", "_buffers", "_modules") or _is_hook_dict(k, v)}
+            self._dicts.append((m, attrs, inner))
+        seen: set[int] = set()
+        self._params: list[tuple[torch.nn.Parameter, torch.Tensor, bool, torch.Tensor | None]] = []
+        for p in model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                self._params.append((p, p.data, p.requires_grad, p.grad))
+        self._buffers: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+        seen.clear()
+        for m in self.modules:
+            for name, b in m._buffers.items():
+                if b is not None and id(b) not in seen:
+                    seen.add(id(b))
+                    self._buffers.append((m, name, b))
+        self.moved = any(t.device != self.device for t in model.parameters()) or \
+            any(b.device != self.device for _, _, b in self._buffers)
+        # buffers: owner, name, the tensor the passes use, and the value to reset it to
+        self._live: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = []
+
+    def prepare(self) -> None:
+        """Detach the user's gradients, move to the audit's device if needed, and snapshot the buffers."""
+        for p, _, _, _ in self._params:
+            p.grad = None
+        if self.moved:
+            # the originals stay untouched where they are: they are the snapshot (no clone on their device)
+            with torch.no_grad():
+                self.model.to(self.device)
+        with torch.no_grad():
+            for m, name, orig in self._buffers:
+                live = m._buffers.get(name)
+                if live is None:
+                    continue
+                snap = orig if live is not orig else orig.detach().clone()
+                self._live.append((m, name, live, snap))
+
+    def reset_buffers(self) -> None:
+        """Put every buffer back to its value when the audit started. Every buffer is copied: a kernel may
+        write one without bumping its version (CPU batch_norm's running statistics), so versions cannot tell. A
+        buffer the forward rebound (``self.count = self.count + 1``) is put back as the object it was."""
+        with torch.no_grad():
+            for m, name, live, snap in self._live:
+                if m._buffers.get(name) is not live:
+                    m._buffers[name] = live
+                live.copy_(snap)
+
+    def restore(self) -> None:
+        """Put the model back as it was given; safe to call after a failure at any point, and more than once."""
+        with torch.no_grad():
+            if not self.moved:  # moved: the original buffers were never touched and are put back below
+                self.reset_buffers()
+            for m, attrs, inner in self._dicts:
+                d = m.__dict__
+                for k in [k for k in d if k not in attrs]:
+                    del d[k]
+                for k, v in attrs.items():
+                    if d.get(k, _MISSING) is not v:
+                        d[k] = v
+                for k, saved in inner.items():
+                    live = d[k]
+                    live.clear()
+                    live.update(saved)
+            for p, data, requires_grad, grad in self._params:
+                if self.moved:
+                    p.data = data
+                p.grad = grad
+                if p.requires_grad != requires_grad:
+                    p.requires_grad_(requires_grad)
+
+
+_MISSING = object()
+
+
 class _OpTracker(TorchDispatchMode):
     """Counts compute ops per innermost module during the reference forward."""
 
@@ -90,12 +196,33 @@ class _OpTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         s = self.session
+        written = _written_args(func)
+        if written and not s._rerunning:
+            s._refuse_parameter_write(func, written, args, kwargs)
+        out = func(*args, **kwargs)
         if not s._rerunning and s._stack and not func.is_view and func not in _NON_COMPUTE:
             s._own_ops[-1] += 1
+            if func not in _ADDS:
+                s._own_work[-1] += 1
             record_op(s._layer(s._modules[s._stack[-1]]).ops, func, args, kwargs, out)
         return out
+
+# A module's own ops that still leave it a container (not re-run alone): additions (a residual add).
+_ADDS = {_aten.add.Tensor, _aten.add_.Tensor, _aten.add.Scalar, _aten.add_.Scalar}
+CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
+                  "measured)")
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes in place (from its schema; cached per op)."""
+    hit = _WRITTEN.get(func)
+    if hit is None:
+        hit = _WRITTEN[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                     if a.alias_info is not None and a.alias_info.is_write)
+    return hit
 
 
 class CaptureSession:
@@ -121,14 +248,18 @@ class CaptureSession:
         self._forward = forward
         self._loss_of = loss_of
         self._progress = progress or (lambda msg: None)
-        self.model = copy.deepcopy(model).to(config.device)
+        # The passes run on the user's model itself, not on a copy; ModelState keeps what they change and puts
+        # it back on exit, after a failure or a Ctrl-C too (docs/memory.md).
+        self.model = model
+        self._state = ModelState(model, config.device)
+        self._prepared = False
         self.training = model.training
         self._names = {id(m): n for n, m in self.model.named_modules()}
         self._modules = {id(m): m for _, m in self.model.named_modules()}
-        # Passes never step an optimizer, so parameters do not change; buffers do (BatchNorm's running
-        # statistics), and are put back before every pass. Parameters are checked, not copied.
-        self._initial = [t.detach().clone() for t in self._state_tensors()]
-        self._param_versions = [p._version for p in self.model.parameters()]
+        # Passes never step an optimizer, so parameters do not change (checked, not copied); buffers do
+        # (BatchNorm's running statistics), and are put back before every pass.
+        self._param_versions: list[int] = []
+        self._param_ptrs: set[int] = set()
         self.layers: dict[int, LayerRecord] = {}
         self.grad_all = MagnitudeHistogram()
         self.reference: RunRecord | None = None
@@ -148,6 +279,7 @@ class CaptureSession:
         self._phase: Format | str | None = None
         self._stack: list[int] = []
         self._own_ops: list[int] = []
+        self._own_work: list[int] = []  # per call on the stack: its own ops other than additions (_ADDS)
         self._pre_rng: list[Any] = []
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
         self._draw_mismatches = 0
@@ -172,12 +304,22 @@ class CaptureSession:
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> "CaptureSession":
         es = self._exit
-        # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device 0's
-        devices = list(range(torch.cuda.device_count())) if self.config.mode == "cuda" else []
-        es.enter_context(torch.random.fork_rng(devices=devices))
-        if self.config.mode == "emulated":
-            self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
-        self._install_hooks()
+        try:
+            # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device
+            # 0's; in emulated mode too when CUDA is already in use in this process
+            cuda = self.config.mode == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
+            devices = list(range(torch.cuda.device_count())) if cuda else []
+            es.enter_context(torch.random.fork_rng(devices=devices))
+            self._prepared = True
+            self._state.prepare()
+            self._param_versions = [p._version for p in self.model.parameters()]
+            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            if self.config.mode == "emulated":
+                self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
+            self._install_hooks()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
         return self
 
     def _install_hooks(self) -> None:
@@ -191,30 +333,47 @@ class CaptureSession:
         self._hooks.clear()
 
     def __exit__(self, *exc: object) -> None:
-        self._remove_hooks()
-        self._ref_outputs.clear()
-        self._clone_cache.clear()
-        self._draws.clear()
-        self._exit.close()
+        # A Ctrl-C during the restore is held back until the model is back (precision_audit/outputs.py).
+        with _NoInterrupt():
+            try:
+                self._remove_hooks()
+                self._ref_outputs.clear()
+                self._clone_cache.clear()
+                self._stat_cache.clear()
+                self._producers.clear()
+                self._draws.clear()
+            finally:
+                try:
+                    if self._prepared:
+                        self._state.restore()
+                        self._prepared = False
+                finally:
+                    self._exit.close()
+
+    def _refuse_parameter_write(self, func: Any, written: tuple[tuple[int, str], ...], args: tuple,
+                                kwargs: dict) -> None:
+        """Raise before an op writes into a parameter: the audit runs on the user's model and does not copy
+        its parameters, so the write must not happen (docs/memory.md)."""
+        for i, name in written:
+            t = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._param_ptrs:
+                where = self._names.get(self._stack[-1], "?") if self._stack else None
+                raise ModelRunError(
+                    f"the model writes into its own parameters during the forward pass ({func}), so passes in "
+                    "different formats would not start from the same weights",
+                    found=f"in module '{where or '(model)'}'" if where is not None else None,
+                    hint="audit a model whose forward does not modify its parameters; the write was refused "
+                         "before it happened, so the model is unchanged")
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _state_tensors(self) -> list[torch.Tensor]:
-        seen: set[int] = set()
-        out = []
-        for t in self.model.buffers():
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
-
     def _reset(self) -> None:
-        with torch.no_grad():
-            for t, saved in zip(self._state_tensors(), self._initial):
-                t.copy_(saved)
+        self._state.reset_buffers()
         if [p._version for p in self.model.parameters()] != self._param_versions:
             raise ModelRunError("the model changed its own parameters in place during a forward pass, so passes "
                                 "in different formats would not start from the same weights",
-                                hint="audit a model whose forward does not modify its parameters")
+                                hint="audit a model whose forward does not modify its parameters (the write "
+                                     "happened after the FP32 pass, which refuses such writes; the audit keeps "
+                                     "no copy of the parameters, see docs/memory.md)")
         for p in self.model.parameters():
             p.grad = None
         torch.manual_seed(self.config.seed)
@@ -222,6 +381,7 @@ class CaptureSession:
             torch.cuda.manual_seed_all(self.config.seed)
         self._stack.clear()
         self._own_ops.clear()
+        self._own_work.clear()
         self._pre_rng.clear()
         self._call_index.clear()
         self._stat_cache.clear()
@@ -350,6 +510,7 @@ class CaptureSession:
         with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
             self._stack.append(id(m))
             self._own_ops.append(0)
+            self._own_work.append(0)
             self._pre_rng.append((self._rng_state(), _snapshot_state(args, kwargs), len(self._draws))
                                  if self._phase == "ref" else None)
             if self._phase == "ref":
@@ -372,12 +533,13 @@ class CaptureSession:
     def _post_hook_body(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self._stack.pop()
         own_ops = self._own_ops.pop()
+        own_work = self._own_work.pop()
         pre_rng = self._pre_rng.pop()
         rec = self._layer(m)
         ys = float_tensors(output)
         diffs: dict[Format, list[torch.Tensor]] = {}
         if self._phase == "ref":
-            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng)
+            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
         else:
             self._post_format(m, rec, ys)
         for i, y in enumerate(ys):
@@ -404,7 +566,7 @@ class CaptureSession:
             if hit is not None and hit[0]() is x:
                 hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
-    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng) -> dict:
+    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
         rec.calls += 1
         rec.own_ops += own_ops
         if rec.calls == 1:
@@ -414,6 +576,10 @@ class CaptureSession:
         self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
         computes = own_ops > 0
         rec.computes = rec.computes or computes
+        # A container whose own work in this call is additions only (a residual add) is not re-run: its local
+        # error would be its children's plus one addition's rounding, at the cost of re-running all of its
+        # children once more per format (docs/memory.md, "Local re-runs").
+        container = computes and not rec.is_leaf and own_work == 0
         for fmt in self.config.formats:
             fs = rec.formats.setdefault(fmt, FormatLayerStats())
             if rec.name == "":
@@ -422,7 +588,9 @@ class CaptureSession:
                 if fs.local is None:
                     fs.local_note = ("no computation of its own" if rec.is_leaf
                                      else "a container: its children's local errors are measured")
-        if computes and rec.name != "" and self.config.formats and ys:
+            elif container and fs.local is None:
+                fs.local_note = CONTAINER_NOTE
+        if computes and not container and rec.name != "" and self.config.formats and ys:
             return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
         return {}
 
