@@ -179,6 +179,9 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
     factors: dict[Format, float] = {}
     info: dict[str, dict] = {}
     floor = analysis.noise.loss_rel if analysis.noise is not None and math.isfinite(analysis.noise.loss_rel) else 0.0
+    alt = analysis.noise.reference_loss if analysis.noise is not None else None
+    if alt is not None and math.isfinite(alt) and math.isfinite(analysis.reference_loss):
+        floor = abs(alt - analysis.reference_loss) / ref  # the same figure whichever order is the audit's own
     for f in formats:
         total = sum(c.impact[f] for c in cands if c.impact.get(f) is not None)
         s = analysis.summaries.get(f)
