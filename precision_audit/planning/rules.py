@@ -161,7 +161,7 @@ def symmetric_reference_loss(analysis: Analysis) -> float:
     was measured (a + b == b + a in floating point, so the same at 1 and 2 threads), else the audit's own."""
     ref = analysis.reference_loss
     noise = analysis.noise
-    alt = noise.reference_loss if noise is not None and noise.impacts is not None else None
+    alt = getattr(noise, "reference_loss", None) if getattr(noise, "impacts", None) is not None else None
     if alt is None or not math.isfinite(alt) or not math.isfinite(ref):
         return ref
     return (ref + alt) / 2
@@ -179,7 +179,7 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
     factors: dict[Format, float] = {}
     info: dict[str, dict] = {}
     floor = analysis.noise.loss_rel if analysis.noise is not None and math.isfinite(analysis.noise.loss_rel) else 0.0
-    alt = analysis.noise.reference_loss if analysis.noise is not None else None
+    alt = getattr(analysis.noise, "reference_loss", None)
     if alt is not None and math.isfinite(alt) and math.isfinite(analysis.reference_loss):
         floor = abs(alt - analysis.reference_loss) / ref  # the same figure whichever order is the audit's own
     for f in formats:
@@ -219,7 +219,7 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
     modules = dict(model.named_modules())
     groups = _tied_groups(model)
     noise = analysis.noise
-    second = noise.impacts if noise is not None else None  # the impacts at the second reduction order
+    second = getattr(noise, "impacts", None)  # the impacts at the second reduction order (noise.py)
     cands = []
     zero: dict[str, str] = {}
     for r in capture.layers:
