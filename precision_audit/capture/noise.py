@@ -13,6 +13,11 @@ whichever of the two the audit runs with, so a decision taken on the pair (the u
 orders measured: see docs/plan.md, "Noise floor") is the same at 1 and at 2 threads. On CUDA the thread count
 does not change a kernel's reduction order; there the second run repeats the first (run-to-run
 nondeterminism only) and says so.
+
+On a CPU it also repeats the instrumented FP32 reference pass (forward, each module re-run alone per format,
+backward) at the second thread count, for each module's first-order loss impact at that order
+(:func:`second_order_impacts`): the planner takes the larger of the two orders' impacts, so that an audit at 1
+thread and one at 2 threads give it the same numbers (docs/plan.md, "Noise floor").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +34,7 @@ import torch
 
 from ..formats import Format
 from .records import float_tensors
-from .stats import ErrorStats
+from .stats import ErrorStats, MagnitudeHistogram
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,11 @@ class NoiseFloor:
     layers: dict[str, float] = field(default_factory=dict)  # sample: module -> relative L2 of its FP32 output
     runs: dict[Format, OrderRun] = field(default_factory=dict)  # each format's pass at the second order
     outputs: list[torch.Tensor] | None = field(default=None, repr=False)  # the FP32 output at the second order
+    # each module's |first-order loss impact| per format at the second order (None: not measured there); None
+    # on CUDA, or when that pass failed (``impacts_note`` says why)
+    impacts: dict[str, dict[Format, float | None]] | None = field(default=None, repr=False)
+    impacts_note: str | None = None
+    impacts_wall_s: float | None = None
 
     def rel_change(self, loss: float | None) -> float | None:
         """A loss measured at the second order, against the FP32 loss of that order."""
@@ -81,6 +92,9 @@ class NoiseFloor:
                              for f, r in self.runs.items()},
             "rule": "a format is within budget only when both reduction orders measure it within budget; "
                     "the plan's verification is held to the same rule",
+            "planner_impacts": (f"each module's first-order loss impact measured at both orders (the reference pass "
+                                f"repeated at the second, {self.impacts_wall_s:.3g} s); the planner takes the larger"
+                                if self.impacts is not None else self.impacts_note),
         }
 
 
@@ -172,12 +186,48 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
                 continue
             runs[f] = _format_forward(session, f, alt_outputs)
     session._reset()
+    impacts, note, wall = None, "not measured: on CUDA the thread count does not change the reduction order", None
+    if not cuda:
+        t0 = time.perf_counter()
+        impacts, note = second_order_impacts(session, alt)
+        wall = time.perf_counter() - t0
     main_loss = session.reference.loss if session.reference else None
     loss_rel = (abs(ref_loss - main_loss) / abs(main_loss) if main_loss else abs(ref_loss - (main_loss or 0.0))) \
         if ref_loss is not None and main_loss is not None else math.nan
     return NoiseFloor(method=method, threads=None if cuda else (main, alt), reference_loss=ref_loss,
                       loss_rel=loss_rel, output_rel_error=out_err,
-                      layers={n: e.rel_l2 for n, e in layer_err.items()}, runs=runs, outputs=alt_outputs)
+                      layers={n: e.rel_l2 for n, e in layer_err.items()}, runs=runs, outputs=alt_outputs,
+                      impacts=impacts, impacts_note=note, impacts_wall_s=wall)
+
+
+def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, float | None]] | None, str | None]:
+    """Each module's |first-order loss impact| per format, from the reference pass repeated at ``threads``.
+
+    The pass is the session's own :meth:`reference_run`, same code and same seed, so the figures at a thread count
+    are the ones an audit run at that thread count measures itself. Its records go to a scratch set; the main
+    pass's records, outputs and gradients are put back afterwards. Returns (impacts, None), or (None, why) when the
+    pass failed (the planner then uses the main order's impacts alone).
+    """
+    saved = (session.layers, session.grad_all, session._ref_outputs, session.reference,
+             session._ref_grad_nonfinite, list(session.warnings))
+    session.layers, session.grad_all, session._ref_outputs = {}, MagnitudeHistogram(), {}
+    session._ref_grad_nonfinite = {}
+    try:
+        with _threads(threads):
+            session.reference_run()
+        return ({r.name: {f: (fs.loss_impact_abs if fs.impact_measured else None) for f, fs in r.formats.items()}
+                 for r in session.layers.values()}, None)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # the main pass succeeded at the same settings: reported, never fatal
+        log.warning("the reference pass at %d thread(s) failed (%s); the planner uses one order's impacts", threads, e)
+        return None, f"not measured: the reference pass at {threads} thread(s) raised {type(e).__name__}: {e}"
+    finally:
+        (session.layers, session.grad_all, session._ref_outputs, session.reference,
+         session._ref_grad_nonfinite, session.warnings) = saved
+        session._clone_cache.clear()
+        session._stack.clear()
+        session._reset()
 
 
 def _format_forward(session, fmt: Format, ref_outputs: list[torch.Tensor] | None) -> OrderRun:

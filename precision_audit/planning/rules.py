@@ -146,6 +146,27 @@ def refusal(L: LayerFinding, fmt: Format) -> str | None:
     return None
 
 
+def both_orders(a: float | None, b: float | None) -> float | None:
+    """A module's impact over the two reduction orders: the larger (conservative), or the one that was measured.
+
+    Symmetric, so an audit at 1 thread and one at 2 threads, which measure the same pair of orders in swapped
+    roles, give the planner the same number (docs/plan.md, "Noise floor")."""
+    if a is None or b is None:
+        return b if a is None else a
+    return max(a, b)
+
+
+def symmetric_reference_loss(analysis: Analysis) -> float:
+    """The FP32 loss the planner's budget is taken from: the mean over the two reduction orders when the second
+    was measured (a + b == b + a in floating point, so the same at 1 and 2 threads), else the audit's own."""
+    ref = analysis.reference_loss
+    noise = analysis.noise
+    alt = getattr(noise, "reference_loss", None) if getattr(noise, "impacts", None) is not None else None
+    if alt is None or not math.isfinite(alt) or not math.isfinite(ref):
+        return ref
+    return (ref + alt) / 2
+
+
 def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> tuple[dict[Format, float], dict]:
     """Scale factor per format: the measured whole-format loss change over the sum of the first-order impacts.
 
@@ -154,10 +175,13 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
     all-format pass measured the real change; its upper end over the reduction orders is taken. Not calibrated
     (factor 1, and said so) where the pass failed, was not finite, or measured nothing above the FP32 noise floor.
     """
-    ref = abs(analysis.reference_loss) or 1.0
+    ref = abs(symmetric_reference_loss(analysis)) or 1.0
     factors: dict[Format, float] = {}
     info: dict[str, dict] = {}
     floor = analysis.noise.loss_rel if analysis.noise is not None and math.isfinite(analysis.noise.loss_rel) else 0.0
+    alt = getattr(analysis.noise, "reference_loss", None)
+    if alt is not None and math.isfinite(alt) and math.isfinite(analysis.reference_loss):
+        floor = abs(alt - analysis.reference_loss) / ref  # the same figure whichever order is the audit's own
     for f in formats:
         total = sum(c.impact[f] for c in cands if c.impact.get(f) is not None)
         s = analysis.summaries.get(f)
@@ -194,6 +218,8 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
     records = {r.name: r for r in capture.layers}
     modules = dict(model.named_modules())
     groups = _tied_groups(model)
+    noise = analysis.noise
+    second = getattr(noise, "impacts", None)  # the impacts at the second reduction order (noise.py)
     cands = []
     zero: dict[str, str] = {}
     for r in capture.layers:
@@ -223,6 +249,8 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
                 impact[f] = 0.0
             else:
                 impact[f] = None
+            if not z and second is not None:
+                impact[f] = both_orders(impact[f], (second.get(r.name) or {}).get(f))
             why_refused = refusal(L, f)
             if why_refused:
                 overflow[f] = why_refused
@@ -233,8 +261,8 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
     if not cands:
         return make_plan(analysis, candidates_formats, target_name), None
     factors, cal_info = calibrate(analysis, cands, candidates_formats)
-    result = plan_formats(cands, candidates_formats, analysis.reference_loss, analysis.budget.max_loss_rel_change,
-                          calibration=factors)
+    result = plan_formats(cands, candidates_formats, symmetric_reference_loss(analysis),
+                          analysis.budget.max_loss_rel_change, calibration=factors)
     result.calibration_info = cal_info
     result.raw_impacts = {c.name: dict(c.impact) for c in cands}
     # the default is the format that covers most GEMM FLOPs (ties: the preferred one)
@@ -246,7 +274,7 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
     default = max(low, key=lambda f: (low[f], -FORMAT_PREFERENCE.index(f)))
     plan = Plan(default_format=default, default_reason=why if default is choose_default(candidates_formats, target_name)[0]
                 else f"{default} covers most of the GEMM FLOPs in the plan", source="planner")
-    ref = abs(analysis.reference_loss) or 1.0
+    ref = abs(symmetric_reference_loss(analysis)) or 1.0
     budget_rel = analysis.budget.max_loss_rel_change
 
     # Modules whose output gradient is zero: the loss cannot see their format; they stay at the default.
