@@ -37,6 +37,7 @@ RUN_FIELDS = {
     ("options", "out"): "each run's own folder",
     ("model", "source"): "'build_model in model.py' vs 'MLP object passed to audit()'",
     ("batch", "source"): "the BATCH path vs 'audit(batch=...)'",
+    ("noise_floor", "planner_impacts_wall_s"): "the wall time of the second-order reference pass",
 }
 
 
