@@ -16,7 +16,6 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.slow
 def test_wheel_in_fresh_venv_renders_a_report(tmp_path):
     dist = tmp_path / "dist"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
