@@ -34,7 +34,9 @@ def audit_of(name: str) -> dict:
 def main(argv: list[str]) -> int:
     dest = Path(argv[1]) if len(argv) > 1 else HERE
     for name in SAMPLES:
-        (dest / f"{name}.audit.json").write_text(json.dumps(audit_of(name), indent=1, sort_keys=True) + "\n")
+        text = json.dumps(audit_of(name), indent=1, sort_keys=True) + "\n"
+        # paths relative to the checkout, so the files compare equal in any clone or worktree
+        (dest / f"{name}.audit.json").write_text(text.replace(str(ROOT), "<ROOT>"))
         print("wrote", dest / f"{name}.audit.json")
     return 0
 
