@@ -27,8 +27,8 @@ import traceback
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from . import __version__
-from .errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, AuditError, OptionError
+from .. import __version__
+from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USAGE, AuditError, OptionError
 
 EPILOG = """\
 MODEL is a .py file defining build_model(), get_model() or a module-level `model` (model.py:name picks
@@ -55,7 +55,7 @@ previous results untouched or the complete new ones).
 
 
 def _budget(text: str):
-    from .analysis.findings import Budget
+    from ..analysis.findings import Budget
 
     keys = {"loss": "max_loss_rel_change", "output": "max_output_rel_error"}
     values: dict[str, float] = {}
@@ -180,7 +180,7 @@ def _guarded(argv: list[str]) -> int:
     except SystemExit as e:
         if _exit_is_ours(e):
             raise
-        from .loading import model_exit_error  # the user's code called sys.exit() (verify's forward, ...)
+        from ..loading import model_exit_error  # the user's code called sys.exit() (verify's forward, ...)
 
         err = model_exit_error(e)
         print(f"precision-audit: error: {err.message}", file=sys.stderr)
@@ -200,7 +200,7 @@ def _guarded(argv: list[str]) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "targets":
-        from .gpus import format_targets_table
+        from ..gpus import format_targets_table
 
         if len(argv) > 1 and argv[1] in ("-h", "--help"):
             print("usage: precision-audit targets\n\nPrint the table of target GPUs (names, aliases, dense peaks).")
@@ -208,17 +208,17 @@ def _dispatch(argv: list[str]) -> int:
         print(format_targets_table())
         return 0
     if argv and argv[0] == "report":
-        from .cli_report import report_main
+        from .report import report_main
 
         return report_main(argv[1:])
     if argv and argv[0] == "export":
-        from .cli_export import export_main
+        from .export import export_main
 
         return export_main(argv[1:])
     if argv and argv[0] == "build-kernels":
         return _build_kernels(argv[1:])
     if argv and argv[0] == "verify":
-        from .cli_verify import verify_main
+        from .verify import verify_main
 
         return verify_main(argv[1:])
     return _run_audit(argv)
@@ -240,7 +240,7 @@ def _exit_status(e: SystemExit) -> int:
 def _exit_is_ours(e: SystemExit) -> bool:
     """True for a ``SystemExit`` raised by precision-audit itself or by the argparse parser it called; False
     when it comes from anything precision-audit called into (the user's model, through torch or not)."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # precision_audit/
     frames = traceback.extract_tb(e.__traceback__)
     ours = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(package)]
     if not ours or ours[-1] == len(frames) - 1:
@@ -331,7 +331,7 @@ def _build_kernels(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from .capture import compiled
+    from ..capture import compiled
 
     if compiled.is_built():
         print(f"compiled kernels already built: {compiled.library_path()}")
@@ -348,8 +348,8 @@ def _run_audit(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    from .audit import AuditOptions, run_audit
-    from .formats import parse_formats
+    from ..audit import AuditOptions, run_audit
+    from ..formats import parse_formats
 
     import torch
 
@@ -358,7 +358,7 @@ def _run_audit(argv: list[str]) -> int:
         formats=parse_formats(args.formats) if args.formats is not None else None, device=args.device,
         emulate=args.emulate, steps=args.steps, seed=args.seed, budget=_budget(args.budget), kernels=args.kernels,
     )
-    from .report.terminal import Progress, summary_text
+    from ..report.terminal import Progress, summary_text
 
     try:
         with Progress(quiet=args.quiet) as progress, _stdout_to_stderr():
