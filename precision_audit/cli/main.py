@@ -13,7 +13,8 @@ import signal
 import sys
 import threading
 import traceback
-from typing import NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError
 from .commands import AUDIT, find
@@ -144,7 +145,7 @@ class _CtrlC:
     """
 
     def __init__(self) -> None:
-        self._old: object = None
+        self._old: Any = None
         self._active = threading.current_thread() is threading.main_thread()
         self.late: list[int] = []
         if self._active:

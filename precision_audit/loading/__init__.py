@@ -52,4 +52,4 @@ __all__ = [
 
 # Not public, but precision_audit.api uses it: a batch the caller holds in memory is split the way load_batch
 # splits a file.
-from .batch import _interpret as _interpret  # noqa: E402
+from .batch import _interpret as _interpret

@@ -86,7 +86,7 @@ def raise_site(e: BaseException, user_file: str | None) -> str | None:
 
     With no ``user_file`` (a package module), the deepest frame outside importlib and this package is used.
     """
-    frames = traceback.extract_tb(e.__traceback__)
+    frames: list[traceback.FrameSummary] = list(traceback.extract_tb(e.__traceback__))
     if user_file is not None:
         wanted = os.path.normcase(os.path.realpath(user_file))
         frames = [f for f in frames if os.path.normcase(os.path.realpath(f.filename)) == wanted]

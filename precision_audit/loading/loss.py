@@ -18,7 +18,7 @@ import enum
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -239,8 +239,8 @@ def _cross_entropy(
         low, high = int(labels.min()), int(labels.max())
         in_range = [(layout, c) for layout, c in layouts if low >= 0 and high < c]
         if not in_range:
-            classes = " or ".join(str(c) for _, c in layouts)
-            return None, f"{target_text} has class indices {low}..{high}, outside the {classes} classes of {where}"
+            sizes = " or ".join(str(c) for _, c in layouts)
+            return None, f"{target_text} has class indices {low}..{high}, outside the {sizes} classes of {where}"
         layouts = in_range
     layout, classes = layouts[0]  # both fit only when the sizes coincide; PyTorch's [N, C, ...] layout wins
     axis = "along dim 1" if layout == "dim1" else "in the last dimension, flattened"
@@ -257,7 +257,7 @@ class _CrossEntropy:
 
     def __call__(self, output: Any, batch: Batch) -> torch.Tensor:
         y = _require_primary(output)
-        target = batch.target
+        target = cast(torch.Tensor, batch.target)  # resolve_loss chose this loss for a tensor target
         if self.layout == "last":
             return F.cross_entropy(y.reshape(-1, y.shape[-1]), target.reshape(-1))
         return F.cross_entropy(y, target)
@@ -265,7 +265,7 @@ class _CrossEntropy:
 
 class _MSE:
     def __call__(self, output: Any, batch: Batch) -> torch.Tensor:
-        return F.mse_loss(_require_primary(output), batch.target)
+        return F.mse_loss(_require_primary(output), cast(torch.Tensor, batch.target))
 
 
 def _require_primary(output: Any) -> torch.Tensor:
@@ -325,9 +325,10 @@ class _Surrogate:
                 expected="the same structure as the first forward",
                 found=output_structure(output),
             )
-        total = None
-        for y in leaves:
-            r = self.direction(tuple(y.shape), y.device)
-            term = (y.float() * r).sum() / y.numel()
-            total = term if total is None else total + term
+        total = self._term(leaves[0])
+        for y in leaves[1:]:
+            total = total + self._term(y)
         return total
+
+    def _term(self, y: torch.Tensor) -> torch.Tensor:
+        return (y.float() * self.direction(tuple(y.shape), y.device)).sum() / y.numel()

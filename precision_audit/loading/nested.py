@@ -42,7 +42,7 @@ def map_tensors(value: Any, device: torch.device | str, memo: dict[int, torch.Te
     if isinstance(value, Mapping):
         items = {k: map_tensors(v, device, memo) for k, v in value.items()}
         try:
-            return type(value)(items)
+            return type(value)(items)  # type: ignore[call-arg]  # a dict subclass or ModelOutput takes one
         except TypeError:  # a Mapping that cannot be built from a dict
             return items
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
