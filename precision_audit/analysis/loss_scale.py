@@ -229,7 +229,8 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
                                 forward_overflow is None,
                                 "no non-zero gradient computed in FP16 was measured; any scale works" + basis,
                                 gradients=gradients)
-    no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < SPECS[Format.FP16].max]
+    fp16_max = SPECS[Format.FP16].max
+    no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max]
     if not no_overflow:
         return LossScaleFinding(g, forward_overflow, None, None, None, unscaled["flushed"], None, unscaled["overflow"],
                                 None, None, False,
