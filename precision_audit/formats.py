@@ -1,19 +1,38 @@
-"""The number formats the audit knows, and their limits.
+"""The number formats the audit knows: their names, the orders they are used in, and their limits.
+
+This is the one format vocabulary of the package. :class:`Format` is a ``str`` enum: ``Format.FP16 == "fp16"``
+and both hash alike, so a dict keyed by formats answers a lookup by name too (policy.json and the GPU table
+hold names). Each order the package uses (policy formats, what autocast runs, planner candidates, the GPU
+table's columns) is a named tuple below; :func:`names` gives the names JSON and the command line write.
 
 Limits come from ``torch.finfo`` where a storage dtype exists; TF32 (a compute mode, not a dtype) is
 derived from its bit layout (1 sign, 8 exponent, 10 mantissa bits). The rounding thresholds below are
-exact for round-to-nearest-even and are checked against brute-force torch casts in the tests.
+exact for round-to-nearest-even and are checked against brute-force torch casts in the tests. Write a
+format's limit as ``SPECS[Format.FP16].max``, never as the literal (65504).
+
+Importing this module imports no torch: :data:`SPECS` and :data:`LOW_PRECISION_DTYPES` are built on first use,
+so the GPU table (precision_audit/gpus.py) and the command line read the vocabulary without torch's import.
+
+Example::
+
+    >>> SPECS[Format.FP16].max, SPECS[Format.FP16].min_subnormal == 2.0**-24
+    (65504.0, True)
+    >>> names(AUTOCAST_FORMATS)
+    ('fp32', 'tf32', 'bf16', 'fp16')
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import OptionError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; torch is imported where the limits are built
+    import torch
 
 
 class Format(str, enum.Enum):
@@ -80,11 +99,15 @@ class FormatSpec:
 
 def _next_up(x: float) -> float:
     """The next float32 above x (x must be exactly representable in float32)."""
+    import torch
+
     t = torch.tensor(x, dtype=torch.float32)
     return float(torch.nextafter(t, torch.tensor(math.inf, dtype=torch.float32)))
 
 
 def _from_finfo(fmt: Format, dtype: torch.dtype, mantissa_bits: int, has_inf: bool) -> FormatSpec:
+    import torch
+
     fi = torch.finfo(dtype)
     return FormatSpec(
         format=fmt,
@@ -98,35 +121,87 @@ def _from_finfo(fmt: Format, dtype: torch.dtype, mantissa_bits: int, has_inf: bo
     )
 
 
-SPECS: dict[Format, FormatSpec] = {
-    Format.FP32: _from_finfo(Format.FP32, torch.float32, 23, True),
-    # TF32: fp32's exponent range with a 10-bit mantissa; inputs to Tensor Core GEMMs are rounded to it.
-    Format.TF32: FormatSpec(
-        format=Format.TF32,
-        dtype=None,
-        mantissa_bits=10,
-        max=(2.0 - 2.0**-10) * 2.0**127,
-        min_normal=2.0**-126,
-        min_subnormal=2.0**-136,
-        has_inf=True,
-    ),
-    Format.BF16: _from_finfo(Format.BF16, torch.bfloat16, 7, True),
-    Format.FP16: _from_finfo(Format.FP16, torch.float16, 10, True),
-    Format.FP8_E4M3: _from_finfo(Format.FP8_E4M3, torch.float8_e4m3fn, 3, False),
-    Format.FP8_E5M2: _from_finfo(Format.FP8_E5M2, torch.float8_e5m2, 2, True),
-}
+def _build_specs() -> dict[Format, FormatSpec]:
+    import torch
 
-# Formats whose values are stored in a narrower dtype than fp32, so range statistics apply.
+    return {
+        Format.FP32: _from_finfo(Format.FP32, torch.float32, 23, True),
+        # TF32: fp32's exponent range with a 10-bit mantissa; inputs to Tensor Core GEMMs are rounded to it.
+        Format.TF32: FormatSpec(
+            format=Format.TF32,
+            dtype=None,
+            mantissa_bits=10,
+            max=(2.0 - 2.0**-10) * 2.0**127,
+            min_normal=2.0**-126,
+            min_subnormal=2.0**-136,
+            has_inf=True,
+        ),
+        Format.BF16: _from_finfo(Format.BF16, torch.bfloat16, 7, True),
+        Format.FP16: _from_finfo(Format.FP16, torch.float16, 10, True),
+        Format.FP8_E4M3: _from_finfo(Format.FP8_E4M3, torch.float8_e4m3fn, 3, False),
+        Format.FP8_E5M2: _from_finfo(Format.FP8_E5M2, torch.float8_e5m2, 2, True),
+    }
+
+
+# --- The orders the package uses formats in (one place; the names: names(...)) -----------------------------
+
+#: Every format, widest first (the enum's order): the formats policy.json may name.
+ALL_FORMATS: tuple[Format, ...] = tuple(Format)
+
+#: What autocast can run a module in (torch.autocast has no fp8): the runtime's formats, and the ones the cost
+#: model estimates.
+AUTOCAST_FORMATS: tuple[Format, ...] = (Format.FP32, Format.TF32, Format.BF16, Format.FP16)
+
+#: The formats offered to the planner, widest first (``fp8_e5m2`` is a backward-pass format paired with
+#: ``fp8_e4m3``, so it is not a candidate of its own).
+CANDIDATE_FORMATS: tuple[Format, ...] = (Format.FP32, Format.TF32, Format.BF16, Format.FP16, Format.FP8_E4M3)
+
+#: The 16-bit formats autocast runs: the audit's low-precision passes and the planner's rules.
+LOW_PRECISION_FORMATS: tuple[Format, ...] = (Format.FP16, Format.BF16)
+
+# Formats whose values are stored in a narrower dtype than fp32, so range statistics apply (and the report's
+# range chart draws their bands).
 RANGE_FORMATS: tuple[Format, ...] = (Format.FP16, Format.BF16, Format.FP8_E4M3, Format.FP8_E5M2)
 
 # Formats the capture stage can run today (fp8 and tf32 runs are not built yet).
-CAPTURE_FORMATS: tuple[Format, ...] = (Format.FP16, Format.BF16)
+CAPTURE_FORMATS: tuple[Format, ...] = LOW_PRECISION_FORMATS
 
-LOW_PRECISION_DTYPES: dict[Format, torch.dtype] = {Format.FP16: torch.float16, Format.BF16: torch.bfloat16}
+#: The columns of the GPU table (precision_audit/gpus.py), in the datasheets' order: fp16 before bf16. It is
+#: written into audit.json (``target.supported_formats``), so it stays as it is.
+GPU_TABLE_FORMATS: tuple[Format, ...] = (Format.FP32, Format.TF32, Format.FP16, Format.BF16, Format.FP8_E4M3,
+                                         Format.FP8_E5M2)
+
+
+def names(formats: Iterable[Format]) -> tuple[str, ...]:
+    """The names JSON and the command line use: ``names(LOW_PRECISION_FORMATS) == ("fp16", "bf16")``."""
+    return tuple(Format(f).value for f in formats)
+
+
+#: The limits of every format (built on first use, from torch.finfo).
+SPECS: dict[Format, FormatSpec]
+#: The storage dtype of each of :data:`LOW_PRECISION_FORMATS` (keyed by :class:`Format`; a name works too).
+LOW_PRECISION_DTYPES: dict[Format, torch.dtype]
+
+
+def __getattr__(name: str) -> object:
+    """:data:`SPECS` and :data:`LOW_PRECISION_DTYPES`, built on first use (the module imports no torch)."""
+    if name == "SPECS":
+        value: object = _build_specs()
+    elif name == "LOW_PRECISION_DTYPES":
+        value = {f: _specs()[f].dtype for f in LOW_PRECISION_FORMATS}
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def _specs() -> dict[Format, FormatSpec]:
+    specs = globals().get("SPECS")
+    return specs if specs is not None else __getattr__("SPECS")  # type: ignore[return-value]
 
 
 def spec(fmt: Format | str) -> FormatSpec:
-    return SPECS[parse_format(fmt)]
+    return _specs()[parse_format(fmt)]
 
 
 def parse_format(name: Format | str) -> Format:
@@ -166,4 +241,4 @@ def headroom_bits(fmt: Format, amax: float) -> float | None:
     """log2(max / amax): how many doublings the largest magnitude can take before it overflows."""
     if not (amax > 0) or not math.isfinite(amax):
         return None
-    return math.log2(SPECS[fmt].max / amax)
+    return math.log2(_specs()[fmt].max / amax)

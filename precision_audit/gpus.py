@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OptionError
+from .formats import CANDIDATE_FORMATS, GPU_TABLE_FORMATS, names
 
 __all__ = [
     "CANDIDATE_ORDER",
@@ -40,11 +41,11 @@ __all__ = [
 ]
 
 #: The format names used everywhere (CLI, JSON, peak tables).
-FORMAT_NAMES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+FORMAT_NAMES: tuple[str, ...] = names(GPU_TABLE_FORMATS)
 
 #: Order in which formats are offered to the planner, widest first (``fp8_e5m2`` is a backward-pass format
 #: paired with ``fp8_e4m3``, so it is not a candidate of its own).
-CANDIDATE_ORDER: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3")
+CANDIDATE_ORDER: tuple[str, ...] = names(CANDIDATE_FORMATS)
 
 #: ``"cited"``: read from a (copy of a) datasheet or whitepaper table; ``"uncertain"``: NUMERICS.md marks at
 #: least one figure of the row as [memory] or disputed.

@@ -91,7 +91,7 @@ class _NoInterrupt:
     A Python-level handler, not pthread_sigmask: the kernel may hand a process-directed SIGINT to any thread
     that does not block it (torch's worker threads), and Python then still runs the handler in the main thread.
     Delivering the held signal to the previous handler (rather than raising ``KeyboardInterrupt`` here) lets
-    the command line's handler start its interrupt path, which ignores further Ctrl-Cs (precision_audit/cli.py).
+    the command line's handler start its interrupt path, which ignores further Ctrl-Cs (precision_audit/cli/main.py).
     """
 
     def __enter__(self) -> None:

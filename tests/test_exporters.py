@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from precision_audit.cli_export import export_main
+from precision_audit.cli.export import export_main
 from precision_audit.errors import OptionError, PolicyError
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout, save_policy
 from precision_audit.policy.exporters import EXPORT_TARGETS, export_policy

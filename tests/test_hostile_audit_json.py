@@ -30,7 +30,7 @@ import pytest
 
 from conftest import ROOT
 from precision_audit.cli import main
-from precision_audit.cli_report import ReportInputError, check_audit
+from precision_audit.cli.report import ReportInputError, check_audit
 from precision_audit.report.html import render_html
 
 TROUBLE = str(ROOT / "sample_models" / "fp16_trouble" / "model.py")

@@ -270,7 +270,7 @@ def test_charts_escape_names():
 
 
 def test_report_command_reproduces_the_page(sample_audits, tmp_path, capsys):
-    from precision_audit.cli_report import report_main
+    from precision_audit.cli.report import report_main
 
     _, out, _ = sample_audits.get("tiny_gpt")
     original = (out / "report.html").read_text()
@@ -282,7 +282,7 @@ def test_report_command_reproduces_the_page(sample_audits, tmp_path, capsys):
 
 
 def test_report_command_without_policy_says_not_available(sample_audits, tmp_path):
-    from precision_audit.cli_report import report_main
+    from precision_audit.cli.report import report_main
 
     _, out, _ = sample_audits.get("mlp")
     (tmp_path / "audit.json").write_text((out / "audit.json").read_text())
@@ -299,7 +299,7 @@ def test_report_command_without_policy_says_not_available(sample_audits, tmp_pat
     ('{"schema": "precision-audit/audit", "version": 99}', ["version 99"]),
 ], ids=["missing", "not-json", "a-policy", "future-version"])
 def test_report_command_user_errors(tmp_path, capsys, content, words):
-    from precision_audit.cli_report import report_main
+    from precision_audit.cli.report import report_main
 
     path = tmp_path / "audit.json"
     if content is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..capture.records import LayerRecord
 from ..capture.stats import SCALE_EXPONENTS, MagnitudeHistogram
-from ..formats import Format
+from ..formats import SPECS, Format
 
 # torch.amp.GradScaler defaults (torch/amp/grad_scaler.py, torch 2.13).
 GRADSCALER_INIT_EXPONENT = 16
@@ -229,7 +229,8 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
                                 forward_overflow is None,
                                 "no non-zero gradient computed in FP16 was measured; any scale works" + basis,
                                 gradients=gradients)
-    no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < 65504]
+    fp16_max = SPECS[Format.FP16].max
+    no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max]
     if not no_overflow:
         return LossScaleFinding(g, forward_overflow, None, None, None, unscaled["flushed"], None, unscaled["overflow"],
                                 None, None, False,
@@ -292,6 +293,4 @@ def _basis_text(gradients: Fp16Gradients | None) -> str:
 
 
 def _edge(k: int) -> float:
-    from ..formats import SPECS
-
     return math.ldexp(SPECS[Format.FP16].overflow_from, -k)

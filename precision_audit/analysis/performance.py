@@ -11,14 +11,14 @@ from typing import Any
 
 from ..capture.ops import GemmOp
 from ..capture.records import CaptureResult, LayerRecord
-from ..formats import Format
+from ..formats import AUTOCAST_FORMATS, Format
 from ..gpus import GpuSpec
 from .alignment import REQUIRED_MULTIPLE, batch_set_dims, check_dims, padded, vocabulary_advice
 from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time,
                    layer_cost)
 
 # Formats the cost model estimates when the target supports them (TF32 needs no numerics run to be timed).
-ESTIMATED_FORMATS = (Format.FP32, Format.TF32, Format.BF16, Format.FP16)
+ESTIMATED_FORMATS = AUTOCAST_FORMATS
 VOCAB_MIN = 1000  # an output dimension this large on an embedding or LM head is a vocabulary
 
 

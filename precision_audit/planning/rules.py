@@ -22,9 +22,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from ..analysis.findings import Analysis, LayerFinding
-from ..formats import SPECS, Format
-
-LOW_PRECISION_FORMATS = (Format.FP16, Format.BF16)
+from ..formats import LOW_PRECISION_FORMATS, SPECS, Format
 
 LOCAL_ERROR_OUTLIER_RATIO = 10.0
 

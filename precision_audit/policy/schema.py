@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import PolicyError
+from ..formats import ALL_FORMATS, AUTOCAST_FORMATS, names
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ..runtime.apply import PolicyAutocast, PolicyHandle
@@ -36,9 +37,9 @@ POLICY_SCHEMA_ID = "precision-audit/policy"
 #: The newest policy version this code writes and reads. Versions 1..POLICY_VERSION load (docs/policy.md).
 POLICY_VERSION = 1
 SUPPORTED_VERSIONS = tuple(range(1, POLICY_VERSION + 1))
-POLICY_FORMATS = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+POLICY_FORMATS = names(ALL_FORMATS)
 #: The formats :meth:`Policy.apply` can put a module in (autocast has no fp8).
-RUNTIME_FORMATS = ("fp32", "tf32", "bf16", "fp16")
+RUNTIME_FORMATS = names(AUTOCAST_FORMATS)
 
 # The top-level keys version 1 defines; any other key is kept as-is in ``Policy.extra`` and written back.
 _KNOWN_KEYS = ("schema", "version", "tool", "model", "target", "default_format", "modules", "loss_scaling", "tf32")

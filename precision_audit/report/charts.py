@@ -300,7 +300,7 @@ def ranges(layers: Sequence[LayerRange], bands: Sequence[Band], chart_id: str = 
                    f'{_pow2_label(fp16.sub)} to {_pow2_label(fp16.normal)} (reduced precision)</title></rect>')
         out.append(f'<rect class="band-normal" x="{_f(fr.px0)}" y="{_f(fr.y(fp16.max))}" width="{_f(fr.px1 - fr.px0)}" '
                    f'height="{_f(fr.y(fp16.normal) - fr.y(fp16.max))}"><title>FP16 normal range: '
-                   f'{_pow2_label(fp16.normal)} to 65504</title></rect>')
+                   f'{_pow2_label(fp16.normal)} to {2 ** fp16.max:.0f}</title></rect>')
         out.append("</g>")
     out += _axes(fr, ticks, [(float(t), label) for t, label in _x_ticks_for_layers(n)],
                  "layer (in the order its forward started)", "magnitude (log2)")

@@ -29,7 +29,7 @@ from typing import Any
 import jinja2
 from markupsafe import Markup, escape
 
-from ..formats import SPECS, Format
+from ..formats import RANGE_FORMATS, SPECS, Format
 from . import charts
 
 TEMPLATE = "report.html.j2"
@@ -52,7 +52,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
 )
 
 # Formats whose ranges the range chart draws as bands (limits from precision_audit.formats.SPECS).
-BAND_FORMATS: tuple[Format, ...] = (Format.FP16, Format.BF16, Format.FP8_E4M3, Format.FP8_E5M2)
+BAND_FORMATS: tuple[Format, ...] = RANGE_FORMATS
 
 
 def _loader() -> jinja2.BaseLoader:
@@ -611,10 +611,10 @@ def _grad_hist_chart(layers, ls) -> tuple[Markup | None, str]:
     fp16 = SPECS[Format.FP16]
     sub, normal, top = math.log2(fp16.min_subnormal), math.log2(fp16.min_normal), math.log2(fp16.max)
     markers = [charts.Marker(sub, "FP16 flush, scale 1",
-                             "Below FP16's smallest subnormal 2^-24 at loss scale 1, gradients flush to zero "
+                             f"Below FP16's smallest subnormal 2^{int(sub)} at loss scale 1, gradients flush to zero "
                              "(half of it and below) or lose most of their digits", "marker flush"),
                charts.Marker(normal, "FP16 subnormal, scale 1",
-                             "Below 2^-14 FP16 values are subnormal (fewer significant bits) at loss scale 1",
+                             f"Below 2^{int(normal)} FP16 values are subnormal (fewer significant bits) at loss scale 1",
                              "marker sub")]
     exp = ls.get("recommended_exponent") if ls else None
     if exp is None and ls and ls.get("recommended_init_scale"):
@@ -624,7 +624,7 @@ def _grad_hist_chart(layers, ls) -> tuple[Markup | None, str]:
                                      f"At the recommended loss scale 2^{int(exp)}, gradients below 2^{int(sub - exp)} "
                                      "still underflow in FP16", "marker flush-rec"))
         markers.append(charts.Marker(top - exp, f"FP16 overflow, scale 2^{int(exp)}",
-                                     f"At loss scale 2^{int(exp)}, gradients above 65504 / 2^{int(exp)} overflow",
+                                     f"At loss scale 2^{int(exp)}, gradients above {fp16.max:.0f} / 2^{int(exp)} overflow",
                                      "marker overflow"))
     note = (f"Output gradients of {len(used)} leaf module(s), summed, from the FP32 reference backward pass."
             if len(used) != len(layers) else f"Output gradients of {len(used)} module(s), summed.")

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PolicyError
+from ..formats import LOW_PRECISION_DTYPES
 from ..tf32_switches import Tf32State, set_tf32, tf32_enabled
 from ..tf32_switches import restore as tf32_restore
 from ..tf32_switches import snapshot as tf32_snapshot
@@ -38,7 +39,6 @@ from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 
 log = logging.getLogger(__name__)
 
-LOW_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _UPCAST = (torch.float16, torch.bfloat16)
 
 # The handle applied to each (unwrapped) model, so that a second apply is refused and the adaptive

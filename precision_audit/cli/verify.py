@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import OptionError
+from ..errors import OptionError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,11 +40,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def verify_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from .loading import load_batch, load_model, resolve_loss
-    from .outputs import check_out_dir, write_files
-    from .policy.io import load_policy
-    from .report.terminal import Progress
-    from .verify import VerifyOptions, run_verify
+    from ..loading import load_batch, load_model, resolve_loss
+    from ..outputs import check_out_dir, write_files
+    from ..policy.io import load_policy
+    from ..report.terminal import Progress
+    from ..verify import VerifyOptions, run_verify
 
     opts = VerifyOptions(steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed)
     out = Path(args.out)
@@ -54,7 +54,7 @@ def verify_main(argv: list[str]) -> int:
     audit_path = out / "audit.json"
     audit = pol = None
     if audit_path.is_file():
-        from .cli_report import load_audit, load_policy_beside
+        from .report import load_audit, load_policy_beside
 
         audit, pol = load_audit(audit_path), load_policy_beside(audit_path)
     policy = load_policy(args.policy)
@@ -83,7 +83,7 @@ def verify_main(argv: list[str]) -> int:
     if audit is not None:
         audit["verify"] = result
         files["audit.json"] = json.dumps(audit, indent=1, allow_nan=False) + "\n"
-        from .report.html import render_html
+        from ..report.html import render_html
 
         files["report.html"] = render_html(audit, pol)
     else:

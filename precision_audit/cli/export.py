@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .policy.exporters import EXPORT_TARGETS, export_policy
-from .policy.io import load_policy
+from ..policy.exporters import EXPORT_TARGETS, export_policy
+from ..policy.io import load_policy
 
 DESCRIPTION = """\
 Export a precision-audit policy to the settings another training stack reads:
@@ -42,7 +42,7 @@ def export_main(argv: list[str]) -> int:
     policy = load_policy(args.policy)
     result = export_policy(policy, args.to, policy_path=args.policy)
     if args.out:
-        from .policy.io import write_text_atomic
+        from ..policy.io import write_text_atomic
 
         path = write_text_atomic(args.out, result.text)
         print(f"precision-audit: wrote {args.to} settings to {path}", file=sys.stderr)

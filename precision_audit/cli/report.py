@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .errors import AuditError
-from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION
+from ..errors import AuditError
+from ..report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION
 
 
 class ReportInputError(AuditError):
@@ -166,7 +166,7 @@ def check_audit(audit: Any, path: Path | str = "audit.json") -> dict[str, Any]:
 
     Raises :class:`ReportInputError` naming the field: not an audit, another version, an integer beyond a
     float, or a JSON Schema violation (the most relevant one)."""
-    from .report.schemas import _validator
+    from ..report.schemas import _validator
 
     if not isinstance(audit, dict) or audit.get("schema") != AUDIT_SCHEMA_ID:
         found = audit.get("schema") if isinstance(audit, dict) else _json_type(audit)
@@ -190,8 +190,8 @@ def check_audit(audit: Any, path: Path | str = "audit.json") -> dict[str, Any]:
 
 def load_policy_beside(path: Path) -> dict[str, Any] | None:
     """The policy.json next to ``path`` (validated as a policy), or None when there is none."""
-    from .errors import PolicyError
-    from .policy.schema import Policy
+    from ..errors import PolicyError
+    from ..policy.schema import Policy
 
     policy_path = path.with_name("policy.json")
     if not policy_path.is_file():
@@ -208,8 +208,8 @@ def load_policy_beside(path: Path) -> dict[str, Any] | None:
 
 def render_saved(audit_path: Path, out_dir: Path | None = None) -> Path:
     """Render ``report.html`` for a saved audit.json into ``out_dir`` (default: its folder); returns the path."""
-    from .outputs import write_files
-    from .report.html import render_html
+    from ..outputs import write_files
+    from ..report.html import render_html
 
     audit = load_audit(audit_path)
     policy = load_policy_beside(audit_path)
