@@ -1,8 +1,8 @@
 """From planner decisions to a Plan for every module, and the plain-rules plan used when the planner cannot run.
 
-:func:`make_planned` builds the planner's candidates (modules with a GEMM of their own) from the findings,
+:func:`plan_mixed_precision` builds the planner's candidates (modules with a GEMM of their own) from the findings,
 runs :func:`~precision_audit.planning.planner.plan_formats`, and gives every other module its format and
-reason (tied modules share the planned format). :func:`make_plan` is the fallback when no first-order impact
+reason (tied modules share the planned format). :func:`plan_by_rules` is the fallback when no first-order impact
 was measured (no low-precision format, or no module with a GEMM), with these rules:
 
 - The default format is BF16 where the target has BF16 Tensor Cores, else FP16, else FP32.
@@ -58,7 +58,7 @@ def _fmt_value(x: float) -> str:
     return f"{x:.3g}"
 
 
-def make_plan(analysis: Analysis, candidates: tuple[Format, ...], target_name: str) -> Plan:
+def plan_by_rules(analysis: Analysis, candidates: tuple[Format, ...], target_name: str) -> Plan:
     """Apply the rules to the findings; every module gets a format and a reason a person can read."""
     default, why = choose_default(candidates, target_name)
     plan = Plan(default_format=default, default_reason=why)
@@ -203,7 +203,7 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
     return factors, info
 
 
-def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Format, ...], target_name: str,
+def plan_mixed_precision(analysis: Analysis, capture, perf, candidates_formats: tuple[Format, ...], target_name: str,
                  model) -> tuple[Plan, "PlannerResult | None"]:
     """The cost-aware mixed plan (planner.py) when first-order impacts were measured, else the plain rules.
 
@@ -213,7 +213,7 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
 
     default, why = choose_default(candidates_formats, target_name)
     if default is Format.FP32:
-        return make_plan(analysis, candidates_formats, target_name), None
+        return plan_by_rules(analysis, candidates_formats, target_name), None
     by_name = {L.name: L for L in analysis.layers}
     records = {r.name: r for r in capture.layers}
     modules = dict(model.named_modules())
@@ -225,8 +225,8 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
     for r in capture.layers:
         if not r.name or not r.ops.gemms:
             continue  # without a GEMM of its own, autocast's op policy decides its precision, not the plan
-        cost = (perf.layers.get(r.name).cost or {}) if perf.layers.get(r.name) else {}
-        times = {Format(k): v for k, v in (cost.get("estimated_step_time_s") or {}).items()}
+        lp = perf.layers.get(r.name)
+        times = {Format(k): v for k, v in lp.cost.estimated_step_time_s.items()} if lp and lp.cost else {}
         if Format.FP32 not in times:
             continue
         L = by_name[r.name]
@@ -259,7 +259,7 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
                                local_error={f: (L.errors[f].local.rel_l2 if L.errors.get(f) and L.errors[f].local
                                                 else None) for f in candidates_formats}))
     if not cands:
-        return make_plan(analysis, candidates_formats, target_name), None
+        return plan_by_rules(analysis, candidates_formats, target_name), None
     factors, cal_info = calibrate(analysis, cands, candidates_formats)
     result = plan_formats(cands, candidates_formats, symmetric_reference_loss(analysis),
                           analysis.budget.max_loss_rel_change, calibration=factors)

@@ -656,6 +656,9 @@ def render_html(audit: Mapping[str, Any], policy: Mapping[str, Any] | None,
 
     Everything but the ``<time id="generated">`` element is a function of ``audit`` and ``policy``.
     """
+    from .audit_json import as_document
+
+    audit = as_document(audit)
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
     view = build_view(audit, policy)
     return _env().get_template(TEMPLATE).render(a=audit, v=view, policy=policy, generated=when)

@@ -42,6 +42,9 @@ _STYLE = """
 def notebook_html(audit: Mapping[str, Any], policy: Mapping[str, Any] | None = None,
                   files: Sequence[Path] = ()) -> str:
     """The fragment Jupyter displays for a finished audit (``policy`` and ``files`` are optional)."""
+    from .audit_json import as_document
+
+    audit = as_document(audit)
     model = audit.get("model") or {}
     target = (audit.get("target") or {}).get("name", "?")
     verdict = audit.get("verdict") or {}

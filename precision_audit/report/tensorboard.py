@@ -38,6 +38,9 @@ def write_scalars(audit: Mapping[str, Any], logdir: Path) -> Path:
     The file is written into a temporary folder first and moved into place, and the event file of an
     earlier audit in the same folder is replaced, so TensorBoard never shows two audits mixed up.
     """
+    from .audit_json import as_document
+
+    audit = as_document(audit)
     from torch.utils.tensorboard import SummaryWriter  # tensorboard only when writing
 
     logdir = Path(logdir)

@@ -145,6 +145,9 @@ def _size(stream: TextIO) -> tuple[int, int]:
 
 def summary_text(audit: dict[str, Any]) -> str:
     """The table printed at the end of an audit: one line per format, the loss scale, and the plan."""
+    from .audit_json import as_document
+
+    audit = as_document(audit)
     summary = audit["summary"]
     target = audit["target"]["name"]
     lines = [f"precision-audit: {audit['model']['class']} ({audit['model']['parameters']:,} parameters), "
