@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import AuditError
-from .report.audit_json import ReportInputError, _read_json, check_audit, load_audit
+from .report.audit_json import ReportInputError, _read_json, check_audit, load_audit, load_record
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,10 +55,10 @@ def render_saved(audit_path: Path, out_dir: Path | None = None) -> Path:
     from .outputs import write_files
     from .report.html import render_html
 
-    audit = load_audit(audit_path)
+    record = load_record(audit_path)
     policy = load_policy_beside(audit_path)
     out = out_dir if out_dir is not None else audit_path.parent
-    html = render_html(audit, policy)
+    html = render_html(record, policy)
     (written,) = write_files(out, {"report.html": html})
     return written
 
@@ -76,4 +76,5 @@ def report_main(argv: Sequence[str]) -> int:
     return 0
 
 
-__all__ = ["ReportInputError", "check_audit", "load_audit", "load_policy_beside", "render_saved", "report_main"]
+__all__ = ["ReportInputError", "check_audit", "load_audit", "load_policy_beside", "load_record", "render_saved",
+           "report_main"]

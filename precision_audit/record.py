@@ -22,6 +22,7 @@ for, and ``absent`` the keys the file left out, so a file read and written again
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,7 +224,7 @@ class AlignmentRanking(Section):
     threshold: dict[str, float]
     findings: list[dict[str, Any]]
     collapsed: dict[str, Any] | None
-    batch_note: str | None
+    batch_note: dict[str, Any] | None
 
 
 # --- FP16 loss scale (analysis/loss_scale.py) and the noise floor (capture/noise.py) -----------------------
@@ -486,6 +487,20 @@ class AuditRecord(Section):
     warnings: list[str]
     #: Added by ``precision-audit verify`` (absent until a policy is verified).
     verify: VerifyResult | None = field(default=None, metadata={"omit_none": True})
+
+    def estimated_speedup(self, fmt: str) -> float | None:
+        """Estimated speedup of the all-``fmt`` step over FP32 on the target: ``estimates.speedup_vs_fp32``, or
+        the ratio of the two ``summary`` step-time estimates (a hand-edited file may have only those)."""
+        sp = self.estimates.speedup_vs_fp32.get(fmt) if isinstance(self.estimates, Estimates) else None
+        if isinstance(sp, (int, float)) and not isinstance(sp, bool):
+            return float(sp)
+        ref = self.summary.fp32.step_time.estimated_s
+        own = self.summary.formats.get(fmt)
+        mine = own.step_time.estimated_s if own is not None else ref if fmt == "fp32" else None
+        if not (ref and mine):
+            return None
+        ratio = ref / mine
+        return ratio if math.isfinite(ratio) else None  # 1e308 / 5e-324 overflows: no speedup to show
 
     def layer(self, name: str) -> LayerReport | None:
         """The layer of that ``named_modules()`` name, or None."""

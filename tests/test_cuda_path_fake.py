@@ -132,7 +132,7 @@ def test_verify_fp32_arm_runs_strict_fp32_on_cuda(fake_cuda, tf32_state):
     x = torch.randn(8, 16, device="cuda")
     out = run_verify(model, lambda m: m(x), lambda y: y.float().pow(2).mean(), make_policy(model, "bf16"),
                      "cuda", "cuda", VerifyOptions(steps=1))
-    assert not out["errors"], out["errors"]
+    assert not out.errors, out.errors
     assert seen[0] == (False, False)  # the fp32 arm: neither cuBLAS nor cuDNN TF32
     assert seen[1] == (True, True)  # the other arms: as the user set them
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)

@@ -68,8 +68,8 @@ def _plain(value: Any) -> Any:
                 continue
             key = f.metadata.get("key", f.name)
             v = getattr(value, f.name)
-            if key in absent or (v is None and f.metadata.get("omit_none")):
-                continue
+            if v is None and (key in absent or f.metadata.get("omit_none")):
+                continue  # left out by the file read, or optional and not set
             out[key] = _plain(v)
         out.update({k: _plain(v) for k, v in getattr(value, "extra", {}).items()})
         return out
@@ -86,6 +86,11 @@ def as_document(audit: "R.AuditRecord | Any") -> Any:
     """audit.json's content for the readers that still take it as a mapping (report/html.py, notebook.py,
     tensorboard.py): a record is written out, a mapping (a saved audit.json, already validated) passed on."""
     return to_json(audit) if isinstance(audit, R.AuditRecord) else audit
+
+
+def as_record(audit: "R.AuditRecord | Any") -> R.AuditRecord:
+    """The record of ``audit``: a record as is, audit.json's content (already validated) read into one."""
+    return audit if isinstance(audit, R.AuditRecord) else read(R.AuditRecord, audit)
 
 
 def from_json(doc: Any, path: str = "audit.json") -> R.AuditRecord:
