@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from . import record as R
 from .analysis.findings import Analysis, FormatError, LayerFinding, RangeFinding
 from .analysis.performance import LayerPerformance, Performance
+from .capture.records import CaptureResult
 from .capture.stats import ErrorStats
 from .formats import Format
 from .planning.rules import Plan
@@ -204,3 +207,56 @@ def section(cls: type, content: dict[str, Any] | None) -> Any:
     from .report.audit_json import read
 
     return None if content is None else read(cls, content)
+
+
+def options(opts: Any, steps: int) -> R.Options:
+    """The options as audit.json records them (``opts``: the :class:`~precision_audit.options.AuditOptions`)."""
+    return R.Options(model=opts.model, batch=opts.batch, out=str(opts.out), target=opts.target,
+                     formats=[f.value for f in opts.formats] if opts.formats else None, device=opts.device,
+                     emulate=opts.emulate, steps=steps, seed=opts.seed, budget=opts.budget.to_dict(),
+                     kernels=opts.kernels)
+
+
+def model_facts(model: torch.nn.Module, source_label: str, fp: str, n_modules: int, training: bool,
+                structures: list[str]) -> R.ModelFacts:
+    return R.ModelFacts(
+        class_=type(model).__name__, source=source_label, parameters=sum(p.numel() for p in model.parameters()),
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad), fingerprint=fp,
+        modules=n_modules, training=training,
+        mode_note=("audited in train mode (as the model was given): dropout is active with the same masks "
+                   "in every format, BatchNorm uses batch statistics" if training else
+                   "audited in eval mode (as the model was given): dropout off, BatchNorm uses running statistics"),
+        output_structure=structures[0] if structures else None)
+
+
+def rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
+    rnns = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.LSTM, torch.nn.GRU))]
+    if mode != "emulated" or not rnns:
+        return []
+    return [f"{', '.join(rnns[:5])}: nn.LSTM/nn.GRU run in fp16 on CUDA through cuDNN's own autocast wrapper, "
+            "which the emulation does not reproduce (they stay fp32 here); audit on a GPU for their numerics"]
+
+
+def run_warnings(capture: CaptureResult, spec: Any, structures: list[str], mode: str) -> list[str]:
+    """What the reader must know about how the numbers were obtained: emulation gaps, an inferred or surrogate
+    loss (``spec``: the resolved LossSpec), changing output structures, passes that failed."""
+    assert spec is not None  # resolved by the reference pass
+    w = []
+    if mode == "emulated":
+        w.append("emulated mode: CUDA autocast's op policies and Tensor Core rounding are computed on "
+                 f"{capture.device}; known gaps: " + "; ".join(capture.emulation["known_gaps"] if capture.emulation else []))
+        if capture.emulation and capture.emulation["unknown_cuda_autocast_ops"]:
+            w.append("ops CUDA autocast lowers that the emulation table lacks (emulated as unlisted): "
+                     + ", ".join(capture.emulation["unknown_cuda_autocast_ops"]))
+    if str(spec.kind) in ("cross_entropy", "mse"):
+        w.append(f"loss inferred: {spec.description}")
+    elif str(spec.kind) == "surrogate":
+        w.append(f"no loss defined: {spec.description}; gradient figures describe this surrogate, "
+                 "define loss_fn(output, batch) in the model file for real ones")
+    if len(set(structures)) > 1:
+        w.append("the model's forward returned different output structures on different calls: "
+                 + " vs ".join(sorted(set(structures))))
+    for f, format_run in capture.runs.items():
+        if format_run.error:
+            w.append(f"{f} pass not measured: {format_run.error}")
+    return w

@@ -439,8 +439,8 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
         target={**target.to_dict(), "reason": setup.target_reason},
         formats=[f.value for f in setup.formats],
         formats_skipped=[R.SkippedFormat(format=s["format"], reason=s["reason"]) for s in setup.skipped],
-        options=_options(opts, setup.steps),
-        model=_model_facts(model, subject.source, fp, n_modules, capture.training, run.structures),
+        options=assemble.options(opts, setup.steps),
+        model=assemble.model_facts(model, subject.source.label, fp, n_modules, capture.training, run.structures),
         batch=R.BatchFacts(source=subject.batch.source, tensors=subject.batch.describe()),
         loss=loss,
         emulation=capture.emulation,
@@ -457,61 +457,11 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
         noise_floor=assemble.section(R.NoiseFloor, noise.to_dict() if noise is not None else None),
         plan=assemble.plan_report(chosen, analysis),
         verdict=assemble.verdict(analysis, plan, setup.formats),
-        warnings=_warnings(capture, run, setup.mode) + capture.warnings + _rnn_warning(model, setup.mode)
+        warnings=assemble.run_warnings(capture, run.spec, run.structures, setup.mode) + capture.warnings
+        + assemble.rnn_warning(model, setup.mode)
         # FP32's own non-finite values: said once, and (analysis/findings.py) not held against any format
         + ([analysis.fp32_nonfinite.describe()] if analysis.fp32_nonfinite.any else []),
     )
-
-
-def _options(opts: AuditOptions, steps: int) -> R.Options:
-    return R.Options(model=opts.model, batch=opts.batch, out=str(opts.out), target=opts.target,
-                     formats=[f.value for f in opts.formats] if opts.formats else None, device=opts.device,
-                     emulate=opts.emulate, steps=steps, seed=opts.seed, budget=opts.budget.to_dict(),
-                     kernels=opts.kernels)
-
-
-def _model_facts(model: torch.nn.Module, source: ModelSource, fp: str, n_modules: int, training: bool,
-                 structures: list[str]) -> R.ModelFacts:
-    return R.ModelFacts(
-        class_=type(model).__name__, source=source.label, parameters=sum(p.numel() for p in model.parameters()),
-        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad), fingerprint=fp,
-        modules=n_modules, training=training,
-        mode_note=("audited in train mode (as the model was given): dropout is active with the same masks "
-                   "in every format, BatchNorm uses batch statistics" if training else
-                   "audited in eval mode (as the model was given): dropout off, BatchNorm uses running statistics"),
-        output_structure=structures[0] if structures else None)
-
-
-def _rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
-    rnns = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.LSTM, torch.nn.GRU))]
-    if mode != "emulated" or not rnns:
-        return []
-    return [f"{', '.join(rnns[:5])}: nn.LSTM/nn.GRU run in fp16 on CUDA through cuDNN's own autocast wrapper, "
-            "which the emulation does not reproduce (they stay fp32 here); audit on a GPU for their numerics"]
-
-
-def _warnings(capture: CaptureResult, run: SubjectRun, mode: str) -> list[str]:
-    spec, structures = run.spec, run.structures
-    assert spec is not None  # resolved by the reference pass
-    w = []
-    if mode == "emulated":
-        w.append("emulated mode: CUDA autocast's op policies and Tensor Core rounding are computed on "
-                 f"{capture.device}; known gaps: " + "; ".join(capture.emulation["known_gaps"] if capture.emulation else []))
-        if capture.emulation and capture.emulation["unknown_cuda_autocast_ops"]:
-            w.append("ops CUDA autocast lowers that the emulation table lacks (emulated as unlisted): "
-                     + ", ".join(capture.emulation["unknown_cuda_autocast_ops"]))
-    if str(spec.kind) in ("cross_entropy", "mse"):
-        w.append(f"loss inferred: {spec.description}")
-    elif str(spec.kind) == "surrogate":
-        w.append(f"no loss defined: {spec.description}; gradient figures describe this surrogate, "
-                 "define loss_fn(output, batch) in the model file for real ones")
-    if len(set(structures)) > 1:
-        w.append("the model's forward returned different output structures on different calls: "
-                 + " vs ".join(sorted(set(structures))))
-    for f, format_run in capture.runs.items():
-        if format_run.error:
-            w.append(f"{f} pass not measured: {format_run.error}")
-    return w
 
 
 class _AuditModule(types.ModuleType):
