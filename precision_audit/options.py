@@ -18,7 +18,7 @@ from .formats import CAPTURE_FORMATS, Format, parse_formats
 from .gpus import GpuSpec
 from .hardware import HardwareInfo
 
-#: The seeds torch.manual_seed accepts (negative ones are mapped onto the unsigned range).
+#: Format names AuditOptions.formats accepts as strings.
 _FORMAT_VALUES = frozenset(f.value for f in Format)
 
 

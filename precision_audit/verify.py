@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from .errors import SEED_MAX, SEED_MIN, OptionError
-from .formats import Format
 from .policy.schema import Policy
 from .record import VerifyResult
 from .tf32_switches import tf32_switches

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..capture.ops import GemmOp
 from ..capture.records import CaptureResult, LayerRecord
 from ..formats import Format
 from ..gpus import GpuSpec
