@@ -278,8 +278,8 @@ def test_peak_memory_not_measured_without_timed_steps(fake_cuda):
         s.format_run(Format.BF16)
         res = s.result()
     mem = _memory(res, 0, 0)
-    assert mem["per_format"]["bf16"]["peak_gpu_bytes"] is None
-    assert mem["per_format"]["bf16"]["peak_note"].startswith("not measured: no clean timed step")
+    assert mem.per_format["bf16"].peak_gpu_bytes is None
+    assert mem.per_format["bf16"].peak_note.startswith("not measured: no clean timed step")
 
 
 # -- dropout: the same masks in every pass on CUDA ---------------------------------------------------------------
