@@ -30,6 +30,7 @@ import jinja2
 from markupsafe import Markup, escape
 
 from ..formats import SPECS, Format
+from ..record import AuditRecord  # noqa: F401  (the type render_html takes)
 from . import charts
 from .numbers import (_label, fmt_bytes, fmt_db, fmt_num, fmt_pct, fmt_scale, fmt_seconds,  # noqa: F401
                       fmt_value, severity)
@@ -530,11 +531,16 @@ def _env() -> jinja2.Environment:
     return env
 
 
-def render_html(audit: Mapping[str, Any], policy: Mapping[str, Any] | None,
+def render_html(audit: "AuditRecord | Mapping[str, Any]", policy: Mapping[str, Any] | None,
                 generated: _dt.datetime | None = None) -> str:
-    """The report page. ``policy`` None shows "not available"; ``generated`` defaults to now (UTC).
+    """The report page of the audit's record (or of audit.json's content, already validated). ``policy`` None
+    shows "not available"; ``generated`` defaults to now (UTC).
 
-    Everything but the ``<time id="generated">`` element is a function of ``audit`` and ``policy``.
+    The page is drawn from the record written out as audit.json (report/audit_json.py ``as_document``): it
+    shows every field of the file, those a later version adds included, and reads the older field names it has
+    always read (docs/report.md), so one audit.json renders the same page from the audit and from
+    ``precision-audit report``. Everything but the ``<time id="generated">`` element is a function of ``audit``
+    and ``policy``.
     """
     from .audit_json import as_document
 
