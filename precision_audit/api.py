@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from .analysis.findings import Budget
-from .audit import (_OUT_FOLDERS, AuditOptions, AuditResult, Subject, _absolute, _out_path, _short_repr,
-                    compute_audit, result_of)
+from .audit import _OUT_FOLDERS, AuditOptions, AuditResult, Subject, _absolute, _out_path, compute_audit, result_of
 from .errors import BatchError, LossError, ModelLoadError, OptionError
 from .loading import ModelSource, _interpret, check_trainable, model_exit_error
+from .options import _short_repr
 from .outputs import check_out_dir
 from .policy.schema import unwrap_model
 
@@ -113,7 +113,7 @@ def audit(
         if callable(close):
             close()
     result = result_of(c)
-    result.audit["options"]["out"] = None if out is None else str(out)
+    result.record.options.out = None if out is None else str(out)
     if out is not None:
         result.save(out)
     return result

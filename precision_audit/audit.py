@@ -1,10 +1,12 @@
 """The one straight-line pipeline: load -> hardware & target -> capture -> analysis -> plan -> outputs.
 
-Only this module sees every stage. Example::
+Only this module sees every stage; each stage's result goes into the audit's record (precision_audit/record.py)
+through precision_audit/assemble.py, and the record becomes audit.json in one place (report/audit_json.py).
+docs/record.md says which stage fills which section. Example::
 
     from precision_audit import AuditOptions, run_audit
     result = run_audit(AuditOptions(model="sample_models/mlp/model.py", batch="sample_models/mlp/sample.pt"))
-    result.exit_code, result.files
+    result.exit_code, result.files, result.record.verdict.message
 
 The module is also callable: ``precision_audit.audit(model, batch, ...)`` audits live objects through the same
 :func:`compute_audit` (precision_audit/api.py; README.md, "From Python").
@@ -16,7 +18,6 @@ import dataclasses
 import datetime as _dt
 import json
 import logging
-import math
 import os
 import sys
 import types
@@ -28,130 +29,42 @@ from typing import Any
 import torch
 
 from . import __version__
+from . import assemble
+from . import record as R
 from .analysis.alignment import rank_alignment, tied_modules
-from .analysis.findings import Analysis, Budget, analyse
+from .analysis.findings import Analysis, analyse
+from .analysis.gemm_timing import measure_gemms_on_gpu
 from .analysis.loss_scale import recommend_fp16_loss_scale
-from .analysis.performance import performance
-from .capture.compiled import KERNEL_CHOICES
+from .analysis.performance import Performance, performance
 from .capture.compiled import resolve as resolve_kernels
-from .capture.noise import measure_noise_floor
+from .capture.noise import NoiseFloor, measure_noise_floor
+from .capture.records import CaptureResult
 from .capture.runner import CaptureConfig, CaptureSession
-from .errors import SEED_MAX, SEED_MIN, AuditError, ModelRunError, OptionError
-from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
+from .errors import ModelRunError, OptionError
+from .formats import Format
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
 from .loading import (Batch, LossSpec, ModelSource, check_trainable, load_batch, load_model, output_structure,
                       resolve_loss)
+from .options import AuditOptions, _short_repr, resolve_device, select_formats
 from .outputs import Staging, check_out_dir
-from .planning.rules import Plan, make_planned
-from .policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
-from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, clean, layer_dict, summary_dict
+from .planning.rules import Plan, plan_mixed_precision
+from .planning.verified import ChosenPlan, choose_verified_plan, plan_verifier
+from .policy.build import build_policy
+from .policy.schema import Policy, fingerprint
+from .record import AuditRecord
+from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
 
 log = logging.getLogger(__name__)
 
-
-#: The seeds torch.manual_seed accepts (negative ones are mapped onto the unsigned range).
-_FORMAT_VALUES = frozenset(f.value for f in Format)
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # a hostile __repr__ must not turn an OptionError into another error
-        text = f"<{type(value).__name__} object>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-@dataclass(frozen=True)
-class AuditOptions:
-    """Everything the command line can set. ``formats=None`` means every capturable format the target supports.
-
-    ``out`` may be a ``str`` or any path-like (stored as a ``Path``), ``model``/``batch`` a path-like too, and
-    ``formats`` a list or a ``"fp16,bf16"`` string; a field of another type, or a ``seed`` outside torch's range
-    (-2**63 to 2**64 - 1), raises :class:`OptionError` naming the field.
-    """
-
-    model: str
-    batch: str | None = None
-    out: Path = Path("audit")
-    target: str | None = None
-    formats: tuple[Format, ...] | None = None
-    device: str = "auto"
-    emulate: bool = False
-    steps: int | None = None  # None: 1 in cuda mode, 0 in emulated mode (see resolve_steps)
-    seed: int = 0
-    budget: Budget = field(default_factory=Budget)
-    kernels: str = "auto"
-
-    def __post_init__(self) -> None:
-        self._coerce_and_check_types()
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise OptionError(f"unknown --device {self.device!r}", choices=("auto", "cuda", "cpu"))
-        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):
-            raise OptionError("--steps must be a whole number >= 0", found=repr(self.steps))
-        if self.kernels not in KERNEL_CHOICES:
-            raise OptionError(f"unknown --kernels {self.kernels!r}", choices=KERNEL_CHOICES)
-
-    def _coerce_and_check_types(self) -> None:
-        """Paths may be given as ``str`` or ``os.PathLike`` (``out`` becomes a ``Path``, ``model`` and ``batch``
-        strings), ``formats`` as a list or a ``"fp16,bf16"`` string; any other type raises :class:`OptionError`
-        naming the field, rather than failing later inside the audit."""
-        def setf(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)  # frozen dataclass
-
-        def wrong(name: str, expected: str) -> OptionError:
-            value = getattr(self, name)
-            return OptionError(f"AuditOptions.{name} has the wrong type", expected=expected,
-                               found=f"{type(value).__name__}: {_short_repr(value)}")
-
-        if isinstance(self.model, os.PathLike):
-            setf("model", os.fspath(self.model))
-        if not isinstance(self.model, str):
-            raise wrong("model", "a str: path/to/model.py[:name] or package.module:name")
-        if isinstance(self.batch, os.PathLike):
-            setf("batch", os.fspath(self.batch))
-        if self.batch is not None and not isinstance(self.batch, str):
-            raise wrong("batch", "None, or the path of a torch.save file (str or pathlib.Path)")
-        if isinstance(self.out, str) and not self.out.strip():
-            raise wrong("out", "a folder path (str or pathlib.Path), not empty")
-        if isinstance(self.out, (str, os.PathLike)) and not isinstance(self.out, Path):
-            setf("out", Path(os.fspath(self.out)))
-        if not isinstance(self.out, Path):
-            raise wrong("out", "a folder path (str or pathlib.Path), not empty")
-        if self.target is not None and not isinstance(self.target, str):
-            raise wrong("target", "None, or a GPU name or alias (str), e.g. 'h100'")
-        if isinstance(self.target, str) and not self.target.strip():
-            # an empty name must not silently mean "the default target" (the CLI refuses --target "" too)
-            raise OptionError("target is empty", expected="a GPU name or alias, e.g. 'h100', or None for the default",
-                              found=repr(self.target), hint="`precision-audit targets` lists the names")
-        if isinstance(self.formats, str):
-            setf("formats", parse_formats(self.formats))
-        elif isinstance(self.formats, (list, tuple)):
-            setf("formats", tuple(Format(f) if isinstance(f, str) and f in _FORMAT_VALUES else f
-                                  for f in self.formats))
-        if self.formats is not None and not (isinstance(self.formats, tuple)
-                                             and all(isinstance(f, Format) for f in self.formats)):
-            raise wrong("formats", "None, or a tuple of Format (or of format names such as 'fp16')")
-        for name in ("device", "kernels"):
-            if not isinstance(getattr(self, name), str):
-                raise wrong(name, "a str")
-        if not isinstance(self.emulate, bool):
-            raise wrong("emulate", "True or False")
-        if isinstance(self.steps, bool):
-            raise wrong("steps", "None, or a whole number >= 0 (int)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise wrong("seed", f"a whole number (int) in [{SEED_MIN}, {SEED_MAX}]")
-        if not SEED_MIN <= self.seed <= SEED_MAX:
-            raise OptionError("--seed is outside the range torch's random generators accept",
-                              expected=f"a whole number from {SEED_MIN} to {SEED_MAX} (-2**63 to 2**64 - 1)",
-                              found=str(self.seed), hint="pick a smaller seed, e.g. --seed 0")
-        if not isinstance(self.budget, Budget):
-            raise wrong("budget", "a precision_audit.analysis.findings.Budget")
+__all__ = ["AuditOptions", "AuditResult", "AuditComputation", "Subject", "compute_audit", "load_subject",
+           "resolve_device", "resolve_steps", "run_audit"]
 
 
 @dataclass
 class AuditResult:
-    """One finished audit: audit.json's content, the policy, and what was written (``files``, empty until saved).
+    """One finished audit: its record (audit.json's content, typed: precision_audit/record.py), the policy, and
+    what was written (``files``, empty until saved). ``audit`` is the record as audit.json's dict.
 
     The same record comes from :func:`run_audit` (already saved into ``--out``) and from
     ``precision_audit.audit(model, batch)`` (saved only when ``out=`` is given, or by :meth:`save`).
@@ -165,7 +78,7 @@ class AuditResult:
         result.save("audit")           # audit.json, policy.json, report.html and tb/, all or nothing
     """
 
-    audit: dict[str, Any]
+    record: AuditRecord
     policy: Policy
     exit_code: int
     files: list[Path]
@@ -174,6 +87,11 @@ class AuditResult:
     #: The profiler traces of the timed steps, written under ``tb/`` by :meth:`save`.
     traces: dict[str, bytes] = field(default_factory=dict, repr=False)
     _html: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def audit(self) -> dict[str, Any]:
+        """audit.json's content (a new dict on every call, from :attr:`record`)."""
+        return to_json(self.record)
 
     @property
     def html(self) -> str:
@@ -185,14 +103,14 @@ class AuditResult:
         if self._html is None:
             from .report.html import render_html  # jinja2 only when a report is wanted
 
-            self._html = render_html(self.audit, self.policy.to_dict())
+            self._html = render_html(self.record, self.policy.to_dict())
         return self._html
 
     def summary(self) -> str:
         """The table the command line prints at the end of an audit, as text."""
         from .report.terminal import summary_text
 
-        return summary_text(self.audit)
+        return summary_text(self.record)
 
     def save(self, out: str | os.PathLike[str]) -> list[Path]:
         """Write audit.json, policy.json, report.html and ``tb/`` into ``out`` (the same files as the command
@@ -200,11 +118,10 @@ class AuditResult:
         audit.json's ``options.out`` records ``out`` as given."""
         given = _out_path(out)
         check_out_dir(given, _OUT_FOLDERS)
-        options = self.audit.get("options")
-        if isinstance(options, dict) and options.get("out") != str(given):
-            options["out"] = str(given)
+        if self.record.options.out != str(given):
+            self.record.options.out = str(given)
             self._html = None  # the report lists the options
-        self.files = _write_outputs(_absolute(given), given, self.audit, self.policy, self.to_html(), self.traces)
+        self.files = _write_outputs(_absolute(given), given, self.record, self.policy, self.to_html(), self.traces)
         return self.files
 
     def _repr_html_(self) -> str:
@@ -212,29 +129,14 @@ class AuditResult:
         "In a notebook"."""
         from .report.notebook import notebook_html
 
-        return notebook_html(self.audit, self.policy.to_dict(), self.files)
+        return notebook_html(self.record, self.policy.to_dict(), self.files)
 
     def __repr__(self) -> str:
-        v = self.audit.get("verdict", {})
-        return (f"<AuditResult {self.audit.get('model', {}).get('class', '?')}: exit code {self.exit_code}; "
-                f"{v.get('message', '')}>")
+        return (f"<AuditResult {self.record.model.class_}: exit code {self.exit_code}; "
+                f"{self.record.verdict.message}>")
 
 
 Progress = Callable[[str], None]
-
-
-def _resolve_device(opts: AuditOptions, hw: HardwareInfo) -> tuple[str, str]:
-    if opts.device == "cuda" and not hw.cuda_available:
-        raise OptionError("--device cuda was asked for, but torch sees no CUDA GPU",
-                          found=f"torch {hw.torch_version}, CUDA build: {hw.cuda_version or 'no'}",
-                          hint="use --device cpu (numerics are emulated faithfully), or install a CUDA build of torch")
-    if opts.emulate:
-        if opts.device == "cuda":
-            raise OptionError("--emulate runs the emulation on the CPU; it cannot be combined with --device cuda",
-                              hint="drop one of the two: --device cuda measures real kernels, --emulate emulates them")
-        return "cpu", "emulated"
-    device = "cuda" if (opts.device == "cuda" or (opts.device == "auto" and hw.cuda_available)) else "cpu"
-    return device, ("cuda" if device == "cuda" else "emulated")
 
 
 def resolve_steps(steps: int | None, mode: str) -> int:
@@ -245,41 +147,97 @@ def resolve_steps(steps: int | None, mode: str) -> int:
     return 1 if mode == "cuda" else 0
 
 
-def _select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, ...], list[dict[str, str]]]:
-    requested = opts.formats or (Format.FP16, Format.BF16)
-    chosen, skipped = [], []
-    for f in requested:
-        if f is Format.FP32:
-            continue  # the reference always runs
-        if f not in CAPTURE_FORMATS:
-            skipped.append({"format": f.value, "reason": f"not measured: {f} runs are not built yet in this version"})
-        elif not target.supports(f.value):
-            skipped.append({"format": f.value,
-                            "reason": f"not a candidate: {target.name} (compute capability {target.cc_string}) "
-                                      f"has no {f} Tensor Cores"})
-        else:
-            chosen.append(f)
-    if not chosen and opts.formats:
-        raise OptionError(
-            f"none of the formats asked for can be audited on {target.name}",
-            found=", ".join(f"{s['format']} ({s['reason']})" for s in skipped),
-            choices=[f.value for f in CAPTURE_FORMATS if target.supports(f.value)],
-            hint="drop --formats, or pick another --target",
-        )
-    return tuple(chosen), skipped
+@dataclass(frozen=True)
+class RunSetup:
+    """The request met with this machine and the target: resolved once, before anything runs."""
+
+    hardware: HardwareInfo
+    target: GpuSpec
+    target_reason: str
+    formats: tuple[Format, ...]
+    skipped: list[dict[str, str]]
+    device: str
+    mode: str
+    steps: int
+    kernels: str
+
+    @property
+    def time_label(self) -> str:
+        """Where measured times were measured, as audit.json labels them."""
+        if self.mode == "cuda" and self.hardware.gpus:
+            return f"{self.hardware.gpus[0].name} (cuda)"
+        return (f"this machine's {self.device.upper()} ("
+                + ("emulated numerics; CPU time, not a GPU estimate" if self.mode == "emulated" else "cuda") + ")")
+
+
+def set_up(opts: AuditOptions) -> RunSetup:
+    """The hardware, the target, the formats, the device, the mode, the timed steps and the kernels."""
+    hw = detect()
+    if opts.target:
+        target, target_reason = resolve_target(opts.target), "chosen with --target"
+    else:
+        target, target_reason = default_target(hw)
+    formats, skipped = select_formats(opts, target)
+    device, mode = resolve_device(opts.device, opts.emulate, hw)
+    return RunSetup(hw, target, target_reason, formats, skipped, device, mode, resolve_steps(opts.steps, mode),
+                    resolve_kernels(opts.kernels) if mode == "emulated" else "python")
+
+
+class SubjectRun:
+    """The model's forward on the batch (on the run's device) and its loss, resolved on the first output the
+    same way for the audit and for ``precision-audit verify`` (precision_audit/loading.py); records the output
+    structure of every call."""
+
+    def __init__(self, source: ModelSource, batch: Batch, device: str) -> None:
+        self.source = source
+        self.batch = batch.to(device)
+        self.spec: LossSpec | None = None
+        self.structures: list[str] = []
+
+    def forward(self, m: torch.nn.Module) -> Any:
+        out = m(*self.batch.args, **self.batch.kwargs)
+        self.structures.append(output_structure(out))
+        return out
+
+    def loss_of(self, out: Any) -> torch.Tensor:
+        if self.spec is None:
+            self.spec = resolve_loss(self.source, out, self.batch)
+        return self.spec(out, self.batch)
+
+    def loss_facts(self) -> R.LossFacts | None:
+        return None if self.spec is None else R.LossFacts(kind=str(self.spec.kind),
+                                                           description=self.spec.description)
+
+    def check_one_structure(self) -> None:
+        if len(set(self.structures)) > 1:
+            raise ModelRunError(
+                "the model's forward returned different output structures on different calls, so its passes "
+                "cannot be compared with each other",
+                found=" vs ".join(sorted(set(self.structures))),
+                hint="make the forward return the same structure on every call (look for branches on a call "
+                     "counter, on self.training, or on autocast being enabled)")
 
 
 @dataclass
 class AuditComputation:
     """Everything the audit measured and decided, before anything is written."""
 
-    audit: dict[str, Any]
+    record: AuditRecord
     policy: Policy
     exit_code: int
     analysis: Analysis
     plan: Plan
-    capture: Any
+    capture: CaptureResult
     model: torch.nn.Module
+
+    @property
+    def audit(self) -> dict[str, Any]:
+        """audit.json's content (from :attr:`record`)."""
+        return to_json(self.record)
+
+    @property
+    def traces(self) -> dict[str, bytes]:
+        return self.capture.traces
 
 
 def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResult:
@@ -303,31 +261,31 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
         from .loading import model_exit_error
 
         raise model_exit_error(e, given.model) from e
-    _record_paths_as_given(c.audit, opts, given)
+    _record_paths_as_given(c.record, opts, given)
     say("writing report.html, policy.json and audit.json")
     result = result_of(c)
-    result.files = _write_outputs(opts.out, given.out, c.audit, c.policy, result.to_html(), c.capture.traces)
+    result.files = _write_outputs(opts.out, given.out, c.record, c.policy, result.to_html(), c.traces)
     return result
 
 
 def result_of(c: AuditComputation) -> AuditResult:
     """The record of a finished computation, not yet saved (``files`` empty)."""
-    return AuditResult(audit=c.audit, policy=c.policy, exit_code=c.exit_code, files=[], analysis=c.analysis,
-                       plan=c.plan, traces=dict(c.capture.traces))
+    return AuditResult(record=c.record, policy=c.policy, exit_code=c.exit_code, files=[], analysis=c.analysis,
+                       plan=c.plan, traces=dict(c.traces))
 
 
-def _write_outputs(out: Path, given: Path, audit: dict[str, Any], policy: Policy, html: str,
+def _write_outputs(out: Path, given: Path, record: AuditRecord, policy: Policy, html: str,
                    traces: dict[str, bytes]) -> list[Path]:
     """Stage every output in ``out`` (absolute) and move them into place together; the paths under ``given``."""
     from .report.tensorboard import EVENT_SUFFIX, write_scalars  # tensorboard only when writing
 
     with Staging(out, _OUT_FOLDERS) as stage:
-        stage.write("audit.json", json.dumps(audit, indent=1, allow_nan=False) + "\n")
+        stage.write("audit.json", json.dumps(to_json(record), indent=1, allow_nan=False) + "\n")
         stage.write("policy.json", json.dumps(policy.to_dict(), indent=2, allow_nan=False) + "\n")
         stage.write("report.html", html)
         for name, data in traces.items():
             stage.write(f"tb/{name}", data)
-        events = write_scalars(audit, stage.folder("tb/audit"))
+        events = write_scalars(record, stage.folder("tb/audit"))
         stage.replace_old("tb/audit", f"events.out.tfevents.*{EVENT_SUFFIX}")
         written = stage.commit()
     first = ["audit.json", "policy.json", "report.html"]
@@ -353,15 +311,12 @@ def _absolute(p: Path) -> Path:
     return Path(os.path.abspath(p.expanduser()))
 
 
-def _record_paths_as_given(audit: dict[str, Any], used: AuditOptions, given: AuditOptions) -> None:
+def _record_paths_as_given(record: AuditRecord, used: AuditOptions, given: AuditOptions) -> None:
     """audit.json records --out and --batch as the user wrote them, not as made absolute for the run."""
-    options = audit.get("options")
-    if isinstance(options, dict):
-        options["out"] = str(given.out)
-        options["batch"] = given.batch
-    batch = audit.get("batch")
-    if isinstance(batch, dict) and used.batch is not None and batch.get("source") == used.batch:
-        batch["source"] = given.batch
+    record.options.out = str(given.out)
+    record.options.batch = given.batch
+    if used.batch is not None and record.batch.source == used.batch:
+        record.batch.source = given.batch
 
 
 @dataclass(frozen=True)
@@ -387,306 +342,126 @@ def load_subject(opts: AuditOptions) -> Subject:
 
 def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
                   subject: Subject | None = None) -> AuditComputation:
-    """The audit without the outputs: load (unless ``subject`` is given), capture, analyse, plan; returns
-    audit.json's content."""
+    """The audit without the outputs: load (unless ``subject`` is given), capture, analyse, plan; returns the
+    record of it (audit.json's content) with the policy."""
     say = progress or (lambda msg: None)
-
     if subject is None:
         say("loading the model and the batch")
         subject = load_subject(opts)
-    model, source, batch = subject.model, subject.source, subject.batch
-
-    hw = detect()
-    if opts.target:
-        target, target_reason = resolve_target(opts.target), "chosen with --target"
-    else:
-        target, target_reason = default_target(hw)
-    formats, skipped = _select_formats(opts, target)
-    device, mode = _resolve_device(opts, hw)
-    steps = resolve_steps(opts.steps, mode)
-    kernels = resolve_kernels(opts.kernels) if mode == "emulated" else "python"
-    say(f"target {target.name} ({target_reason}); {mode} mode on {device}"
-        f"{f' ({kernels} kernels)' if mode == 'emulated' else ''}; formats: {', '.join(f.value for f in formats) or 'none'}")
-
-    run_batch = batch.to(device)
-    loss_box: dict[str, LossSpec] = {}
-    structures: list[str] = []
-
-    def forward(m: torch.nn.Module) -> Any:
-        out = m(*run_batch.args, **run_batch.kwargs)
-        structures.append(output_structure(out))
-        return out
-
-    def loss_of(out: Any) -> torch.Tensor:
-        if "spec" not in loss_box:
-            loss_box["spec"] = resolve_loss(source, out, run_batch)
-        return loss_box["spec"](out, run_batch)
-
-    config = CaptureConfig(formats=formats, device=device, mode=mode, seed=opts.seed, timed_steps=steps,
-                           kernels=kernels)
-    with CaptureSession(model, forward, loss_of, config, progress=say) as session:
-        say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
-        session.reference_run()
-        fp16_scale = 1.0
-        if Format.FP16 in formats:
-            overflow = next((r.name for r in session.layers.values() if r.name and
-                             r.activation.fractions(Format.FP16)["overflow"] > 0), None)
-            # from the gradients the uniform FP16 pass computes in FP16, not dL/dL (analysis/loss_scale.py)
-            ls = recommend_fp16_loss_scale(session.layers.values(), overflow)
-            fp16_scale = ls.recommended_scale or 1.0
-        for f in formats:
-            say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
-            session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
-        if len(set(structures)) > 1:
-            raise ModelRunError(
-                "the model's forward returned different output structures on different calls, so its passes "
-                "cannot be compared with each other",
-                found=" vs ".join(sorted(set(structures))),
-                hint="make the forward return the same structure on every call (look for branches on a call "
-                     "counter, on self.training, or on autocast being enabled)")
-        noise = None
-        if formats:
-            say("FP32 noise floor: the reference and each format re-run forward at a second reduction order")
-            noise = measure_noise_floor(session, formats)
-        if steps:
-            say(f"profiling {steps} timed step(s) per format on {device} (after one warm-up step)")
-            session.timed_steps(steps)
-        capture = session.result()
-
+    setup = set_up(opts)
+    say(f"target {setup.target.name} ({setup.target_reason}); {setup.mode} mode on {setup.device}"
+        f"{f' ({setup.kernels} kernels)' if setup.mode == 'emulated' else ''}; "
+        f"formats: {', '.join(f.value for f in setup.formats) or 'none'}")
+    run = SubjectRun(subject.source, subject.batch, setup.device)
+    config = CaptureConfig(formats=setup.formats, device=setup.device, mode=setup.mode, seed=opts.seed,
+                           timed_steps=setup.steps, kernels=setup.kernels)
+    model = subject.model
+    with CaptureSession(model, run.forward, run.loss_of, config, progress=say) as session:
+        capture, noise = _capture(session, setup, run, say)
         say("analysing")
         analysis = analyse(capture, opts.budget, noise)
-        shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
-                  if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
-        perf = performance(capture, target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
-                           sum(p.numel() for p in model.parameters() if p.requires_grad), tied=tied_modules(model))
-        if mode == "cuda":
-            say("timing misaligned GEMMs against their padded sizes on the GPU")
-            _measure_gemms_on_gpu(capture, perf, target, device, formats)
-        alignment = rank_alignment({n: lp.alignment for n, lp in perf.layers.items()}, perf.step_time_s,
-                                   target.name, batch.describe())
-        mixed, planner_result = make_planned(analysis, capture, perf, formats, target.name, model)
+        perf = _performance(capture, setup, model, say)
+        mixed, planner_result = plan_mixed_precision(analysis, capture, perf, setup.formats, setup.target.name,
+                                                     model)
         fp, n_modules = fingerprint(model)
-        chosen, candidates = _choose_plan(session, model, fp, n_modules, target, analysis, perf, formats, mixed,
-                                          planner_result, noise, say)
-        plan = chosen.plan
-        policy = _policy(model, fp, n_modules, target, plan, analysis)
-    safe = [f.value for f, s in analysis.summaries.items() if s.safe]
-    exit_code = 0 if (safe or not formats) else 1
 
-    time_label = (f"{hw.gpus[0].name} (cuda)" if mode == "cuda" and hw.gpus else
-                  f"this machine's {device.upper()} ({'emulated numerics; CPU time, not a GPU estimate' if mode == 'emulated' else 'cuda'})")
-    audit = {
-        "schema": AUDIT_SCHEMA_ID,
-        "version": AUDIT_VERSION,
-        "tool": {"name": "precision-audit", "version": __version__},
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "mode": mode,
-        "device": device,
-        "hardware": hw.to_dict(),
-        "target": {**target.to_dict(), "reason": target_reason},
-        "formats": [f.value for f in formats],
-        "formats_skipped": skipped,
-        "options": {"model": opts.model, "batch": opts.batch, "out": str(opts.out), "target": opts.target,
-                    "formats": [f.value for f in opts.formats] if opts.formats else None, "device": opts.device,
-                    "emulate": opts.emulate, "steps": steps, "seed": opts.seed, "budget": opts.budget.to_dict(),
-                    "kernels": opts.kernels},
-        "model": {
-            "class": type(model).__name__,
-            "source": source.label,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "fingerprint": fp,
-            "modules": n_modules,
-            "training": capture.training,
-            "mode_note": ("audited in train mode (as the model was given): dropout is active with the same masks "
-                          "in every format, BatchNorm uses batch statistics" if capture.training else
-                          "audited in eval mode (as the model was given): dropout off, BatchNorm uses running statistics"),
-            "output_structure": structures[0] if structures else None,
-        },
-        "batch": {"source": batch.source, "tensors": batch.describe()},
-        "loss": {"kind": str(loss_box["spec"].kind), "description": loss_box["spec"].description},
-        "emulation": capture.emulation,
-        "summary": summary_dict(analysis, capture.step_times_s, time_label, perf.step_time_s, target.name),
-        "estimates": {
-            "target": target.name,
-            "kind": "estimate",
-            "step_time_s": perf.step_time_s,
-            "speedup_vs_fp32": perf.speedup_vs_fp32,
-            "assumptions": list(perf.assumptions),
-        },
-        "memory": perf.memory,
-        "traces": {"dir": "tb", "files": sorted(f"tb/{k}" for k in capture.traces),
-                   "note": "torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
-                           "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"},
+        def make_policy(plan: Plan) -> Policy:
+            return _policy(model, fp, n_modules, setup.target, plan, analysis)
+
+        chosen = choose_verified_plan(analysis, perf, setup.formats, mixed, planner_result,
+                                      plan_verifier(session, noise, analysis.reference_loss), make_policy, say)
+        policy = make_policy(chosen.plan)
+    record = _record(opts, setup, subject, run, capture, noise, analysis, perf, chosen, fp, n_modules)
+    return AuditComputation(record=record, policy=policy, exit_code=record.verdict.exit_code, analysis=analysis,
+                            plan=chosen.plan, capture=capture, model=model)
+
+
+def _policy(model: torch.nn.Module, fp: str, n_modules: int, target: GpuSpec, plan: Plan,
+            analysis: Analysis) -> Policy:
+    """The policy of ``plan``, its loss scale the one found for the modules the plan runs in FP16."""
+    ls = analysis.loss_scale.for_plan(plan) if analysis.loss_scale else None
+    return build_policy(model, fp, n_modules, target, plan, ls.recommended_scale if ls else None)
+
+
+def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Progress
+             ) -> tuple[CaptureResult, NoiseFloor | None]:
+    """The FP32 reference, one pass per format (FP16 at the loss scale its gradients need), the noise floor
+    and the timed steps."""
+    formats = setup.formats
+    say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
+    session.reference_run()
+    fp16_scale = 1.0
+    if Format.FP16 in formats:
+        overflow = next((r.name for r in session.layers.values() if r.name and
+                         r.activation.fractions(Format.FP16)["overflow"] > 0), None)
+        # from the gradients the uniform FP16 pass computes in FP16, not dL/dL (analysis/loss_scale.py)
+        ls = recommend_fp16_loss_scale(session.layers.values(), overflow)
+        fp16_scale = ls.recommended_scale or 1.0
+    for f in formats:
+        say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
+        session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
+    run.check_one_structure()
+    noise = None
+    if formats:
+        say("FP32 noise floor: the reference and each format re-run forward at a second reduction order")
+        noise = measure_noise_floor(session, formats)
+    if setup.steps:
+        say(f"profiling {setup.steps} timed step(s) per format on {setup.device} (after one warm-up step)")
+        session.timed_steps(setup.steps)
+    return session.result(), noise
+
+
+def _performance(capture: CaptureResult, setup: RunSetup, model: torch.nn.Module, say: Progress) -> Performance:
+    """Alignment, cost and memory on the target; on a GPU, the misaligned GEMMs timed as well."""
+    shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
+    perf = performance(capture, setup.target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
+                       sum(p.numel() for p in model.parameters() if p.requires_grad), tied=tied_modules(model))
+    if setup.mode == "cuda":
+        say("timing misaligned GEMMs against their padded sizes on the GPU")
+        measure_gemms_on_gpu(capture, perf, setup.target, setup.device, setup.formats)
+    return perf
+
+
+def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectRun, capture: CaptureResult,
+            noise: NoiseFloor | None, analysis: Analysis, perf: Performance, chosen: ChosenPlan, fp: str,
+            n_modules: int) -> AuditRecord:
+    """The audit's record, section by section in audit.json's order (docs/record.md)."""
+    model, plan, target, label = subject.model, chosen.plan, setup.target, setup.time_label
+    loss = run.loss_facts()
+    assert loss is not None  # the reference pass resolved it, or the audit stopped
+    alignment = rank_alignment({n: lp.alignment for n, lp in perf.layers.items()}, perf.step_time_s, target.name,
+                               subject.batch.describe())
+    return AuditRecord(
+        schema=AUDIT_SCHEMA_ID, version=AUDIT_VERSION, tool=R.Tool(name="precision-audit", version=__version__),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        mode=setup.mode, device=setup.device, hardware=setup.hardware.to_dict(),
+        target={**target.to_dict(), "reason": setup.target_reason},
+        formats=[f.value for f in setup.formats],
+        formats_skipped=[R.SkippedFormat(format=s["format"], reason=s["reason"]) for s in setup.skipped],
+        options=assemble.options(opts, setup.steps),
+        model=assemble.model_facts(model, subject.source.label, fp, n_modules, capture.training, run.structures),
+        batch=R.BatchFacts(source=subject.batch.source, tensors=subject.batch.describe()),
+        loss=loss,
+        emulation=capture.emulation,
+        summary=assemble.summary(analysis, capture.step_times_s, label, perf.step_time_s, target.name),
+        estimates=assemble.estimates(perf, target.name),
+        memory=perf.memory,
+        traces=R.Traces(dir="tb", files=sorted(f"tb/{k}" for k in capture.traces),
+                        note="torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
+                             "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"),
+        alignment=assemble.section(R.AlignmentRanking, alignment),
         # the uniform FP16 pass's scale, and in "plan" the one re-derived for the modules the plan runs in FP16
-        "alignment": alignment,
-        "loss_scale": analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None,
-        "layers": [layer_dict(L, plan, perf.layers.get(L.name), time_label) for L in analysis.layers],
-        "noise_floor": noise.to_dict() if noise is not None else None,
-        "plan": _plan_dict(plan, chosen, candidates, planner_result, analysis),
-        "verdict": {"exit_code": exit_code, "safe_formats": safe,
-                    "message": _verdict_message(analysis, plan, safe, formats)},
-        "warnings": _warnings(capture, loss_box["spec"], mode, structures) + capture.warnings
-        + _rnn_warning(model, mode)
+        loss_scale=assemble.section(R.LossScale, analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None),
+        layers=[assemble.layer_report(L, plan, perf.layers.get(L.name), label) for L in analysis.layers],
+        noise_floor=assemble.section(R.NoiseFloor, noise.to_dict() if noise is not None else None),
+        plan=assemble.plan_report(chosen, analysis),
+        verdict=assemble.verdict(analysis, plan, setup.formats),
+        warnings=assemble.run_warnings(capture, run.spec, run.structures, setup.mode) + capture.warnings
+        + assemble.rnn_warning(model, setup.mode)
         # FP32's own non-finite values: said once, and (analysis/findings.py) not held against any format
         + ([analysis.fp32_nonfinite.describe()] if analysis.fp32_nonfinite.any else []),
-    }
-    return AuditComputation(audit=clean(audit), policy=policy, exit_code=exit_code, analysis=analysis, plan=plan,
-                            capture=capture, model=model)
-
-
-def _policy(model, fp: str, n_modules: int, target: GpuSpec, plan: Plan, analysis: Analysis) -> Policy:
-    uses_fp16 = plan.default_format is Format.FP16 or any(o.format is Format.FP16 for o in plan.overrides.values())
-    ls = analysis.loss_scale.for_plan(plan) if analysis.loss_scale else None
-    init = ls.recommended_scale if (ls and ls.recommended_scale) else 65536.0
-    error_pins = any("local error" in o.reason for o in plan.overrides.values())
-    tf32 = target.supports("tf32") and not error_pins
-    return Policy(
-        model_class=type(model).__name__,
-        model_fingerprint=fp,
-        model_modules=n_modules,
-        target_name=target.name,
-        target_compute_capability=tuple(target.compute_capability),
-        target_key=target.key,
-        default_format=plan.default_format.value,
-        modules={k: ModuleOverride(v.format.value, v.reason) for k, v in plan.overrides.items()},
-        loss_scaling=LossScaling(enabled=uses_fp16, init_scale=init),
-        tf32_matmul=tf32,
-        tf32_cudnn=tf32,
-        tool_version=__version__,
-        model_layout=model_layout(model),
     )
-
-
-def plan_counts(plan: Plan) -> str:
-    """The plan's overrides counted by format, from the plan itself: "5 in fp32, 7 in bf16" ("" when none)."""
-    by: dict[str, int] = {}
-    for o in plan.overrides.values():
-        by[o.format.value] = by.get(o.format.value, 0) + 1
-    return ", ".join(f"{n} in {f}" for f, n in sorted(by.items(), key=lambda x: (-x[1], x[0])))
-
-
-def _verdict_message(analysis: Analysis, plan: Plan, safe: list[str], formats: tuple[Format, ...]) -> str:
-    if not formats:
-        return "no low-precision format was audited"
-    counts = plan_counts(plan)
-    pins = (f"; {len(plan.overrides)} module(s) overridden: {counts}" if plan.overrides else
-            "; no overrides")
-    if safe:
-        return f"recommended: {plan.default_format} by default{pins}. Safe as is: {', '.join(safe)}"
-    return (f"unsafe in every audited format as is ({', '.join(f.value for f in formats)}); "
-            f"the policy runs {plan.default_format} by default{pins}")
-
-
-def _choose_plan(session, model, fp, n_modules, target, analysis, perf, formats, mixed, planner_result, noise, say):
-    """The mixed plan against the uniform formats (planning/select.py), verified at both reduction orders."""
-    from .capture.noise import plan_forward
-    from .planning.select import choose
-
-    ref = analysis.reference_loss
-
-    def make_policy(p: Plan) -> Policy:
-        return _policy(model, fp, n_modules, target, p, analysis)
-
-    def verify(pol, default):
-        run = session.verify_plan(pol, default)
-        lc = ((abs(run.loss - ref) / abs(ref) if ref else abs(run.loss))
-              if run.loss is not None and math.isfinite(run.loss) else math.inf)
-        lcs, oes = [lc], [run.output.rel_l2 if run.output else math.inf]
-        error = run.error
-        if noise is not None:
-            alt = plan_forward(session, noise, pol, default)
-            a = noise.rel_change(alt.loss)
-            lcs.append(a if a is not None else math.inf)
-            oes.append(alt.output_rel_error if alt.output_rel_error is not None else math.inf)
-            error = error or alt.error
-        return lcs, oes, error, run.loss
-
-    def impact_of(name: str, fmt: Format) -> float:
-        d = planner_result.decisions.get(name) if planner_result else None
-        return (d.impact.get(fmt) or 0.0) if d is not None else 0.0
-
-    return choose(analysis, perf, formats, mixed, planner_result, verify, make_policy, impact_of, say)
-
-
-def _plan_dict(plan: Plan, chosen, candidates, planner_result, analysis: Analysis) -> dict[str, Any]:
-    from .planning.select import first_order_rel, predicted_rel, prediction_note
-
-    ref = analysis.reference_loss
-    predicted = predicted_rel(plan, planner_result, ref) if plan.default_format is not Format.FP32 or plan.overrides \
-        else 0.0
-    first_order = first_order_rel(plan, planner_result, ref) if plan.default_format is not Format.FP32 \
-        or plan.overrides else 0.0
-    verified = chosen.loss_rel_change
-    floor = analysis.noise.loss_rel if analysis.noise is not None and math.isfinite(analysis.noise.loss_rel) else 0.0
-    uniform = chosen.label.startswith("uniform")
-    return {
-        "source": plan.source,
-        "chosen": chosen.label,
-        "candidates": [c.to_dict(c is chosen) for c in candidates],
-        "predicted_loss_change": predicted * abs(ref) if predicted is not None else None,
-        "predicted_loss_rel_change": predicted,
-        "first_order_loss_rel_change": first_order,
-        "prediction": prediction_note(predicted, verified, floor),
-        "calibration": planner_result.calibration_info if planner_result else {},
-        "loss_budget": analysis.budget.max_loss_rel_change * abs(ref) if ref else analysis.budget.max_loss_rel_change,
-        "promotions": planner_result.promotions if planner_result and not uniform else [],
-        "estimated_step_time_s": chosen.estimated_step_time_s,
-        "verification": {
-            "passes": chosen.passes,
-            "loss": chosen.loss,
-            "loss_rel_change": verified,
-            "loss_rel_change_range": list(chosen.loss_rel_change_range) if chosen.loss_rel_change_range else None,
-            "output_rel_error": chosen.output_rel_error,
-            "within_budget": chosen.within_budget,
-            "repairs": list(chosen.repairs),
-            "error": chosen.error,
-            "source": (f"the audit's own all-{plan.default_format} pass{'es' if analysis.noise else ''} (no extra "
-                       "pass: this plan is that format, uniform)" if uniform else
-                       "forward passes with the policy applied, one per reduction order"),
-        },
-        "default_format": plan.default_format.value,
-        "default_reason": plan.default_reason,
-        "overrides": {k: {"format": v.format.value, "reason": v.reason} for k, v in plan.overrides.items()},
-        "override_counts": plan_counts(plan) or "none",
-    }
-
-
-def _measure_gemms_on_gpu(capture, perf, target: GpuSpec, device: str, formats: tuple[Format, ...]) -> None:
-    """Attach measured times to alignment findings: each misaligned GEMM as is and padded (CUDA only)."""
-    from .capture.gemm_bench import measure_gemms
-
-    measure_gemms(capture, perf, target, device, formats)
-
-
-def _rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
-    rnns = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.LSTM, torch.nn.GRU))]
-    if mode != "emulated" or not rnns:
-        return []
-    return [f"{', '.join(rnns[:5])}: nn.LSTM/nn.GRU run in fp16 on CUDA through cuDNN's own autocast wrapper, "
-            "which the emulation does not reproduce (they stay fp32 here); audit on a GPU for their numerics"]
-
-
-def _warnings(capture, spec: LossSpec, mode: str, structures: list[str]) -> list[str]:
-    w = []
-    if mode == "emulated":
-        w.append("emulated mode: CUDA autocast's op policies and Tensor Core rounding are computed on "
-                 f"{capture.device}; known gaps: " + "; ".join(capture.emulation["known_gaps"] if capture.emulation else []))
-        if capture.emulation and capture.emulation["unknown_cuda_autocast_ops"]:
-            w.append("ops CUDA autocast lowers that the emulation table lacks (emulated as unlisted): "
-                     + ", ".join(capture.emulation["unknown_cuda_autocast_ops"]))
-    if str(spec.kind) in ("cross_entropy", "mse"):
-        w.append(f"loss inferred: {spec.description}")
-    elif str(spec.kind) == "surrogate":
-        w.append(f"no loss defined: {spec.description}; gradient figures describe this surrogate, "
-                 "define loss_fn(output, batch) in the model file for real ones")
-    if len(set(structures)) > 1:
-        w.append("the model's forward returned different output structures on different calls: "
-                 + " vs ".join(sorted(set(structures))))
-    for f, run in capture.runs.items():
-        if run.error:
-            w.append(f"{f} pass not measured: {run.error}")
-    return w
 
 
 class _AuditModule(types.ModuleType):

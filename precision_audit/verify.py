@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from .errors import SEED_MAX, SEED_MIN, OptionError
-from .formats import Format
 from .policy.schema import Policy
+from .record import VerifyResult
 from .tf32_switches import tf32_switches
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,9 @@ def _optimizer(opts: VerifyOptions, params) -> torch.optim.Optimizer:
 
 def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
                loss_of: Callable[[Any], torch.Tensor], policy: Policy, device: str, mode: str,
-               opts: VerifyOptions, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Train each arm ``opts.steps`` steps; returns the ``verify`` section of audit.json (loss curves etc.)."""
+               opts: VerifyOptions, progress: Callable[[str], None] | None = None) -> VerifyResult:
+    """Train each arm ``opts.steps`` steps; returns the ``verify`` section of the audit's record (loss curves,
+    final divergence, whether the policy arm failed; its ``loss`` is filled in by the caller)."""
     from .capture.compiled import resolve as resolve_kernels
     from .capture.emulation import CudaAutocastPolicy, emulated_autocast
 
@@ -111,22 +112,21 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
             curves[arm] = losses
             final_params[arm] = [p.detach().float().cpu() for p in m.parameters()]
     ref = curves.get("fp32") or []
-    out: dict[str, Any] = {"steps": opts.steps, "optimizer": opts.optimizer, "lr": opts.lr, "seed": opts.seed,
-                           "mode": mode, "curves": curves, "skipped_steps": skipped, "errors": errors,
-                           "final_loss_rel_change": {}, "param_rel_change": {}}
     ref_final = ref[-1] if ref else None
+    final_rel: dict[str, float | None] = {}
+    param_rel: dict[str, float | None] = {}
     for arm in curves:
         if arm == "fp32":
             continue
         last = curves[arm][-1] if curves[arm] else None
-        out["final_loss_rel_change"][arm] = (abs(last - ref_final) / abs(ref_final)
-                                             if last is not None and ref_final else None)
+        final_rel[arm] = abs(last - ref_final) / abs(ref_final) if last is not None and ref_final else None
         num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(final_params[arm], final_params["fp32"]))
         den = sum(float(b.double().pow(2).sum()) for b in final_params["fp32"])
-        out["param_rel_change"][arm] = math.sqrt(num / den) if den and math.isfinite(num) else None
-    out["policy_failure"] = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
-    out["policy_safe"] = out["policy_failure"] is None
-    return out
+        param_rel[arm] = math.sqrt(num / den) if den and math.isfinite(num) else None
+    failure = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
+    return VerifyResult(steps=opts.steps, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed, mode=mode,
+                        curves=curves, skipped_steps=skipped, errors=errors, final_loss_rel_change=final_rel,
+                        param_rel_change=param_rel, policy_failure=failure, policy_safe=failure is None)
 
 
 def policy_failure(errors: dict[str, str], curve: list[float | None], params: list[torch.Tensor]) -> str | None:

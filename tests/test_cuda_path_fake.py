@@ -132,7 +132,7 @@ def test_verify_fp32_arm_runs_strict_fp32_on_cuda(fake_cuda, tf32_state):
     x = torch.randn(8, 16, device="cuda")
     out = run_verify(model, lambda m: m(x), lambda y: y.float().pow(2).mean(), make_policy(model, "bf16"),
                      "cuda", "cuda", VerifyOptions(steps=1))
-    assert not out["errors"], out["errors"]
+    assert not out.errors, out.errors
     assert seen[0] == (False, False)  # the fp32 arm: neither cuBLAS nor cuDNN TF32
     assert seen[1] == (True, True)  # the other arms: as the user set them
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
@@ -278,8 +278,8 @@ def test_peak_memory_not_measured_without_timed_steps(fake_cuda):
         s.format_run(Format.BF16)
         res = s.result()
     mem = _memory(res, 0, 0)
-    assert mem["per_format"]["bf16"]["peak_gpu_bytes"] is None
-    assert mem["per_format"]["bf16"]["peak_note"].startswith("not measured: no clean timed step")
+    assert mem.per_format["bf16"].peak_gpu_bytes is None
+    assert mem.per_format["bf16"].peak_note.startswith("not measured: no clean timed step")
 
 
 # -- dropout: the same masks in every pass on CUDA ---------------------------------------------------------------

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..capture.ops import GemmOp
 from ..capture.records import CaptureResult, LayerRecord
 from ..formats import AUTOCAST_FORMATS, Format
 from ..gpus import GpuSpec
+from ..record import FormatMemory, Memory
 from .alignment import REQUIRED_MULTIPLE, batch_set_dims, check_dims, padded, vocabulary_advice
 from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time,
                    layer_cost)
@@ -23,9 +23,25 @@ VOCAB_MIN = 1000  # an output dimension this large on an embedding or LM head is
 
 
 @dataclass
+class LayerCostEstimate:
+    """A module's own computation and its estimated step time per format on the target (cost.py's roofline)."""
+
+    flops: int
+    gemm_ops: int
+    other_ops: int
+    other_elements: int
+    estimated_step_time_s: dict[str, float]  # by format name
+    #: The largest distinct GEMMs timed on the GPU (cuda mode; analysis/gemm_timing.py), one record per GEMM.
+    measured_gemms: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class LayerPerformance:
+    #: One finding per GEMM, convolution or embedding of its own that is not aligned (analysis/alignment.py
+    #: ranks them and the GPU timing adds ``measured``; they keep the shape audit.json's ``layers[].alignment``
+    #: gives them).
     alignment: list[dict[str, Any]]
-    cost: dict[str, Any] | None
+    cost: LayerCostEstimate | None
     saved_bytes: dict[str, int]
     measured_time_s: dict[str, float]
 
@@ -34,9 +50,9 @@ class LayerPerformance:
 class Performance:
     layers: dict[str, LayerPerformance]
     step_time_s: dict[str, float]  # estimated, per format
-    speedup_vs_fp32: dict[str, float]
+    speedup_vs_fp32: dict[str, float | None]
     formats: tuple[Format, ...]
-    memory: dict[str, Any]
+    memory: Memory
     assumptions: tuple[str, ...] = ASSUMPTIONS
     notes: list[str] = field(default_factory=list)
 
@@ -140,9 +156,9 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
                 lc = layer_cost(rec.ops, f, target, _element_bytes(rec, f))
                 per_fmt[f.value] = lc.step_time_s
                 totals[f.value] += lc.step_time_s
-            cost = {"flops": rec.ops.gemm_flops, "gemm_ops": sum(c for _, c in rec.ops.gemms.values()),
-                    "other_ops": rec.ops.other_ops, "other_elements": rec.ops.other_elements,
-                    "estimated_step_time_s": per_fmt}
+            cost = LayerCostEstimate(flops=rec.ops.gemm_flops, gemm_ops=sum(c for _, c in rec.ops.gemms.values()),
+                                     other_ops=rec.ops.other_ops, other_elements=rec.ops.other_elements,
+                                     estimated_step_time_s=per_fmt)
         layers[rec.name] = LayerPerformance(alignment, cost, dict(rec.saved_bytes), dict(rec.measured_time_s))
     base = totals.get("fp32") or 0.0
     speedup = {k: (base / v if v > 0 else None) for k, v in totals.items()}
@@ -164,28 +180,28 @@ def _peak_note(capture: CaptureResult, m: dict[str, Any]) -> str | None:
     return "not measured: no clean timed step ran for this format (--steps 0, or its pass failed)"
 
 
-def _memory(capture: CaptureResult, param_bytes: int, trainable_params: int) -> dict[str, Any]:
+def _memory(capture: CaptureResult, param_bytes: int, trainable_params: int) -> Memory:
     grads = trainable_params * 4  # fp32 master gradients under autocast
-    per_run: dict[str, Any] = {}
+    per_run: dict[str, FormatMemory] = {}
     for key, m in capture.memory.items():
         act = m.get("activation_bytes", 0)
         wc = m.get("weight_copy_bytes", 0)
-        per_run[key] = {
-            "parameters_bytes": param_bytes,
-            "gradients_bytes": grads,
-            "optimizer_bytes": {"adam": trainable_params * 8, "sgd_momentum": trainable_params * 4, "sgd": 0},
-            "saved_activation_bytes": act,
-            "saved_weight_copy_bytes": wc,
-            "total_with_adam_bytes": param_bytes + grads + trainable_params * 8 + act + wc,
-            "peak_gpu_bytes": m.get("peak_bytes"),
-            "peak_note": _peak_note(capture, m),
-        }
+        per_run[key] = FormatMemory(
+            parameters_bytes=param_bytes,
+            gradients_bytes=grads,
+            optimizer_bytes={"adam": trainable_params * 8, "sgd_momentum": trainable_params * 4, "sgd": 0},
+            saved_activation_bytes=act,
+            saved_weight_copy_bytes=wc,
+            total_with_adam_bytes=param_bytes + grads + trainable_params * 8 + act + wc,
+            peak_gpu_bytes=m.get("peak_bytes"),
+            peak_note=_peak_note(capture, m),
+        )
     advice = []
-    ref = per_run.get("fp32", {}).get("saved_activation_bytes")
+    ref = per_run["fp32"].saved_activation_bytes if "fp32" in per_run else None
     for key, r in per_run.items():
         if key == "fp32" or not ref:
             continue
-        act = r["saved_activation_bytes"]
+        act = r.saved_activation_bytes
         if act < ref:
             advice.append(f"{key} saves {(ref - act) / 2**20:.2f} MiB of activations ({1 - act / ref:.0%} of FP32's "
                           f"{ref / 2**20:.2f} MiB): about {ref / max(act, 1):.2f}x the batch fits in the same "
@@ -196,9 +212,9 @@ def _memory(capture: CaptureResult, param_bytes: int, trainable_params: int) -> 
         names = ", ".join(f"{n} ({b / 2**20:.2f} MiB)" for b, n in heavy if b)
         if names:
             advice.append(f"the layers saving the most for backward (candidates for activation checkpointing): {names}")
-    return {"per_format": per_run, "advice": advice,
-            "note": "activations: tensors autograd saved for backward in each pass, counted once per storage "
-                    "(parameters excluded; autocast's casts of parameters, and views of them such as the "
-                    "transposed weight a GEMM saves, are weight copies in both modes; in emulated mode fp16/bf16 "
-                    "values held in fp32 are counted at 2 bytes)",
-            "peak_basis": PEAK_BASIS if capture.mode == "cuda" else None}
+    return Memory(per_format=per_run, advice=advice,
+                  note="activations: tensors autograd saved for backward in each pass, counted once per storage "
+                       "(parameters excluded; autocast's casts of parameters, and views of them such as the "
+                       "transposed weight a GEMM saves, are weight copies in both modes; in emulated mode fp16/bf16 "
+                       "values held in fp32 are counted at 2 bytes)",
+                  peak_basis=PEAK_BASIS if capture.mode == "cuda" else None)

@@ -180,7 +180,7 @@ def measure_gemms(capture: Any, perf: Any, target: GpuSpec, device: str, formats
     for name, g in largest:
         lp = perf.layers.get(name)
         if lp is not None and lp.cost is not None:
-            lp.cost.setdefault("measured_gemms", []).append(
+            lp.cost.measured_gemms.append(
                 {"format": fmt.value, "gemm": {"m": g.m, "n": g.n, "k": g.k, "batch": g.batch},
                  **timer.measure(g, dtype), "peak_tflops": target.peak(fmt.value)})
     for rec in capture.layers:

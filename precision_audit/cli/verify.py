@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from .record import AuditRecord
 
-from ..errors import OptionError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,9 +40,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def verify_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from ..loading import load_batch, load_model, resolve_loss
+    from ..audit import SubjectRun
+    from ..hardware import detect
+    from ..loading import load_batch, load_model
+    from ..options import resolve_device
     from ..outputs import check_out_dir, write_files
     from ..policy.io import load_policy
+    from ..report.audit_json import to_json
     from ..report.terminal import Progress
     from ..verify import VerifyOptions, run_verify
 
@@ -52,53 +56,43 @@ def verify_main(argv: list[str]) -> int:
     # The audit the result is added to is validated before any training (docs/report.md): a tampered
     # audit.json is refused with exit 2 naming the field, not found broken after the run.
     audit_path = out / "audit.json"
-    audit = pol = None
+    record: AuditRecord | None = None
+    pol = None
     if audit_path.is_file():
-        from .report import load_audit, load_policy_beside
+        from ..report.audit_json import load_record
+        from .report import load_policy_beside
 
-        audit, pol = load_audit(audit_path), load_policy_beside(audit_path)
+        record, pol = load_record(audit_path), load_policy_beside(audit_path)
     policy = load_policy(args.policy)
     model, source = load_model(args.model)
     policy.check_model(model)
     batch = load_batch(args.batch, model, source)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise OptionError("--device cuda was asked for, but torch sees no CUDA GPU", hint="use --device cpu")
-    device = "cuda" if (args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())) else "cpu"
-    mode = "cuda" if device == "cuda" else "emulated"
-    run_batch = batch.to(device)
-    box: dict[str, Any] = {}
-
-    def forward(m):
-        return m(*run_batch.args, **run_batch.kwargs)
-
-    def loss_of(o):
-        if "spec" not in box:
-            box["spec"] = resolve_loss(source, o, run_batch)
-        return box["spec"](o, run_batch)
-
+    # the device and the loss are resolved as the audit resolves them (precision_audit/options.py, audit.py)
+    device, mode = resolve_device(args.device, False, detect())
+    run = SubjectRun(source, batch, device)
     with Progress(quiet=args.quiet) as progress:
-        result = run_verify(model, forward, loss_of, policy, device, mode, opts, progress)
-    result["loss"] = {"kind": str(box["spec"].kind), "description": box["spec"].description} if box else None
+        result = run_verify(model, run.forward, run.loss_of, policy, device, mode, opts, progress)
+    result.loss = run.loss_facts()
     files: dict[str, str] = {}
-    if audit is not None:
-        audit["verify"] = result
-        files["audit.json"] = json.dumps(audit, indent=1, allow_nan=False) + "\n"
+    if record is not None:
+        record.verify = result  # the record's typed ``verify`` section (precision_audit/record.py)
+        files["audit.json"] = json.dumps(to_json(record), indent=1, allow_nan=False) + "\n"
         from ..report.html import render_html
 
-        files["report.html"] = render_html(audit, pol)
+        files["report.html"] = render_html(record, pol)
     else:
-        files["verify.json"] = json.dumps(result, indent=1, allow_nan=False) + "\n"
+        files["verify.json"] = json.dumps(to_json(result), indent=1, allow_nan=False) + "\n"
     written = write_files(out, files)
-    for arm, curve in result["curves"].items():
+    for arm, curve in result.curves.items():
         last = curve[-1] if curve else None
-        rel = result["final_loss_rel_change"].get(arm)
+        rel = result.final_loss_rel_change.get(arm)
         print(f"  {arm:<7} final loss {last if last is not None else 'inf/NaN'}"
               + (f"  (vs fp32: {rel:.2e})" if rel is not None else "")
-              + (f"  skipped steps {result['skipped_steps'].get(arm, 0)}" if result["skipped_steps"].get(arm) else "")
-              + (f"  FAILED: {result['errors'][arm]}" if arm in result["errors"] else ""))
+              + (f"  skipped steps {result.skipped_steps.get(arm, 0)}" if result.skipped_steps.get(arm) else "")
+              + (f"  FAILED: {result.errors[arm]}" if arm in result.errors else ""))
     print(f"  wrote: {', '.join(str(f) for f in written)}")
-    if result["policy_failure"]:
+    if result.policy_failure:
         # A failed policy arm is a result, not a crash: "unsafe", exit 1 (docs/report.md).
-        print(f"  unsafe: {result['policy_failure']}")
+        print(f"  unsafe: {result.policy_failure}")
         return 1
     return 0

@@ -101,6 +101,10 @@ def plan_formats(candidates: list[Candidate], formats: tuple[Format, ...], refer
     """Choose a format per candidate. ``formats``: the low-precision formats measured and supported;
     ``calibration``: a factor per format applied to every first-order impact of that format (default 1).
 
+    Three steps: each group's fastest allowed format (:func:`_fastest_allowed`); while the predicted loss
+    change is over budget, the move with the best saving per unit of time (:func:`_repair`); then each
+    module's decision with its reason (:func:`_decisions`).
+
     Example::
 
         result = plan_formats(cands, (Format.BF16, Format.FP16), reference_loss=2.3, max_loss_rel_change=1e-2)
@@ -112,7 +116,19 @@ def plan_formats(candidates: list[Candidate], formats: tuple[Format, ...], refer
         groups.setdefault(key, _Group(key, [], dict(calibration or {}))).members.append(c)
     budget = max_loss_rel_change * abs(reference_loss) if reference_loss else max_loss_rel_change
     options = tuple(sorted(set(formats), key=_order)) + (Format.FP32,)
+    choice, why_not = _fastest_allowed(groups, options)
+    promotions, before = _repair(groups, options, choice, budget)
+    predicted = sum(groups[n].impact(f) for n, f in choice.items())
+    decisions = _decisions(groups, options, choice, why_not, promotions, before, reference_loss,
+                           max_loss_rel_change)
+    est = sum(groups[n].time(f) for n, f in choice.items())
+    return PlannerResult(decisions, budget, predicted, est, promotions, dict(calibration or {}))
 
+
+def _fastest_allowed(groups: dict[str, _Group], options: tuple[Format, ...]
+                     ) -> tuple[dict[str, Format], dict[str, list[str]]]:
+    """Each group's fastest format that no overflow refuses and whose impact was measured (FP32 always is);
+    and, per group, why each other format was not allowed."""
     choice: dict[str, Format] = {}
     why_not: dict[str, list[str]] = {}
     for g in groups.values():
@@ -126,7 +142,15 @@ def plan_formats(candidates: list[Candidate], formats: tuple[Format, ...], refer
             else:
                 allowed.append(f)
         choice[g.name] = min(allowed, key=lambda f: (g.time(f), _order(f), g.impact(f)))
+    return choice, why_not
 
+
+def _repair(groups: dict[str, _Group], options: tuple[Format, ...], choice: dict[str, Format], budget: float
+            ) -> tuple[list[str], dict[str, float]]:
+    """Move groups to more precise formats (``choice`` changed in place) until the predicted loss change fits
+    ``budget``: each time the move with the best saving per unit of time; then undo, latest first, the moves the
+    budget turned out not to need. Returns the promotions (one sentence each) and each promoted group's
+    predicted total before its move."""
     promotions: list[str] = []
     before: dict[str, float] = {}
 
@@ -166,8 +190,13 @@ def plan_formats(candidates: list[Candidate], formats: tuple[Format, ...], refer
                 choice[n] = keep
             else:
                 promotions = [p for p in promotions if not p.startswith(n + ":")]
+    return promotions, before
 
-    predicted = total()
+
+def _decisions(groups: dict[str, _Group], options: tuple[Format, ...], choice: dict[str, Format],
+               why_not: dict[str, list[str]], promotions: list[str], before: dict[str, float],
+               reference_loss: float, max_loss_rel_change: float) -> dict[str, Decision]:
+    """One decision per module (every member of a group shares its group's), with the reason people read."""
     decisions: dict[str, Decision] = {}
     for n, f in choice.items():
         g = groups[n]
@@ -193,8 +222,7 @@ def plan_formats(candidates: list[Candidate], formats: tuple[Format, ...], refer
             decisions[c.name] = Decision(f, reason, first=first_f, promoted=bool(promoted), impact=impacts,
                                          time_s={o: g.time(o) for o in options}, why_not=tuple(why_not.get(n, [])),
                                          predicted_before=before.get(n))
-    est = sum(groups[n].time(f) for n, f in choice.items())
-    return PlannerResult(decisions, budget, predicted, est, promotions, dict(calibration or {}))
+    return decisions
 
 
 def _first_choice(g: _Group, options: tuple[Format, ...]) -> Format:

@@ -1,8 +1,8 @@
 """From planner decisions to a Plan for every module, and the plain-rules plan used when the planner cannot run.
 
-:func:`make_planned` builds the planner's candidates (modules with a GEMM of their own) from the findings,
+:func:`plan_mixed_precision` builds the planner's candidates (modules with a GEMM of their own) from the findings,
 runs :func:`~precision_audit.planning.planner.plan_formats`, and gives every other module its format and
-reason (tied modules share the planned format). :func:`make_plan` is the fallback when no first-order impact
+reason (tied modules share the planned format). :func:`plan_by_rules` is the fallback when no first-order impact
 was measured (no low-precision format, or no module with a GEMM), with these rules:
 
 - The default format is BF16 where the target has BF16 Tensor Cores, else FP16, else FP32.
@@ -20,9 +20,13 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from ..analysis.findings import Analysis, LayerFinding
 from ..formats import LOW_PRECISION_FORMATS, SPECS, Format
+
+if TYPE_CHECKING:
+    from .planner import PlannerResult
 
 LOCAL_ERROR_OUTLIER_RATIO = 10.0
 
@@ -56,7 +60,7 @@ def _fmt_value(x: float) -> str:
     return f"{x:.3g}"
 
 
-def make_plan(analysis: Analysis, candidates: tuple[Format, ...], target_name: str) -> Plan:
+def plan_by_rules(analysis: Analysis, candidates: tuple[Format, ...], target_name: str) -> Plan:
     """Apply the rules to the findings; every module gets a format and a reason a person can read."""
     default, why = choose_default(candidates, target_name)
     plan = Plan(default_format=default, default_reason=why)
@@ -201,30 +205,70 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
     return factors, info
 
 
-def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Format, ...], target_name: str,
-                 model) -> tuple[Plan, "PlannerResult | None"]:
-    """The cost-aware mixed plan (planner.py) when first-order impacts were measured, else the plain rules.
+def plan_mixed_precision(analysis: Analysis, capture, perf, candidates_formats: tuple[Format, ...], target_name: str,
+                         model) -> tuple[Plan, "PlannerResult | None"]:
+    """The cost-aware mixed plan (planner.py) when first-order impacts were measured, else :func:`plan_by_rules`.
 
+    The planner decides the modules with a GEMM of their own (:func:`_planner_candidates`); every other module
+    gets its format and reason here (:func:`_layer_plans`): overflow refusals, containers, tied parameters.
     This is one candidate; planning/select.py weighs it against the uniform formats.
     """
-    from .planner import FORMAT_PREFERENCE, Candidate, plan_formats
+    from .planner import FORMAT_PREFERENCE, plan_formats
 
     default, why = choose_default(candidates_formats, target_name)
     if default is Format.FP32:
-        return make_plan(analysis, candidates_formats, target_name), None
-    by_name = {L.name: L for L in analysis.layers}
-    records = {r.name: r for r in capture.layers}
+        return plan_by_rules(analysis, candidates_formats, target_name), None
     modules = dict(model.named_modules())
     groups = _tied_groups(model)
-    noise = analysis.noise
-    second = getattr(noise, "impacts", None)  # the impacts at the second reduction order (noise.py)
+    cands, zero = _planner_candidates(analysis, capture, perf, candidates_formats, modules, groups)
+    if not cands:
+        return plan_by_rules(analysis, candidates_formats, target_name), None
+    factors, cal_info = calibrate(analysis, cands, candidates_formats)
+    result = plan_formats(cands, candidates_formats, symmetric_reference_loss(analysis),
+                          analysis.budget.max_loss_rel_change, calibration=factors)
+    result.calibration_info = cal_info
+    result.raw_impacts = {c.name: dict(c.impact) for c in cands}
+    # the default is the format that covers most GEMM FLOPs (ties: the preferred one)
+    flops: dict[Format, int] = {}
+    for c in cands:
+        f = result.decisions[c.name].format
+        flops[f] = flops.get(f, 0) + max(c.flops, 1)
+    low = {f: n for f, n in flops.items() if f is not Format.FP32} or flops
+    default = max(low, key=lambda f: (low[f], -FORMAT_PREFERENCE.index(f)))
+    plan = Plan(default_format=default, default_reason=why if default is choose_default(candidates_formats, target_name)[0]
+                else f"{default} covers most of the GEMM FLOPs in the plan", source="planner")
+    refused = _settle_unseen_and_refused(analysis, result, zero, groups, default)
+    _layer_plans(analysis, capture, plan, result, refused)
+    _share_tied_formats(plan, result, groups, _baseline(analysis, capture, result, refused, default))
+    by_name = {L.name: L for L in analysis.layers}
+    for r in capture.layers:  # modules without a GEMM are labelled too (their format is the op policy's)
+        if r.name and r.name not in zero and r.computes and (z := zero_gradient(by_name[r.name], r, modules.get(r.name))):
+            zero[r.name] = z
+            if r.name not in plan.overrides and r.name not in result.decisions:
+                plan.layers[r.name] = LayerPlan(plan.layers[r.name].format, f"{z}: its format cannot change the "
+                                                                            "loss; default format")
+    plan.zero_gradient = dict(zero)
+    plan.refusals = {f: [n for n in (L.name for L in analysis.layers) if refusal(by_name[n], f)]
+                     for f in candidates_formats}
+    return plan, result
+
+
+def _planner_candidates(analysis: Analysis, capture, perf, formats: tuple[Format, ...], modules: dict,
+                        groups: dict[str, str]) -> tuple[list, dict[str, str]]:
+    """The planner's candidates: every module with a GEMM of its own and an estimated FP32 time, with its
+    measured first-order impact per format (the larger of the two reduction orders) and the formats its values
+    overflow; and the modules whose output gradient is zero (their impact is 0 whatever the format)."""
+    from .planner import Candidate
+
+    by_name = {L.name: L for L in analysis.layers}
+    second = getattr(analysis.noise, "impacts", None)  # the impacts at the second reduction order (noise.py)
     cands = []
     zero: dict[str, str] = {}
     for r in capture.layers:
         if not r.name or not r.ops.gemms:
             continue  # without a GEMM of its own, autocast's op policy decides its precision, not the plan
-        cost = (perf.layers.get(r.name).cost or {}) if perf.layers.get(r.name) else {}
-        times = {Format(k): v for k, v in (cost.get("estimated_step_time_s") or {}).items()}
+        lp = perf.layers.get(r.name)
+        times = {Format(k): v for k, v in lp.cost.estimated_step_time_s.items()} if lp and lp.cost else {}
         if Format.FP32 not in times:
             continue
         L = by_name[r.name]
@@ -233,7 +277,7 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
             zero[r.name] = z
         impact: dict[Format, float | None] = {}
         overflow: dict[Format, str] = {}
-        for f in candidates_formats:
+        for f in formats:
             fs = r.formats.get(f)
             err = L.errors.get(f)
             if fs is None or err is None:
@@ -255,26 +299,16 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
         cands.append(Candidate(name=r.name, flops=r.ops.gemm_flops, time_s=times, impact=impact,
                                overflow=overflow, group=groups.get(r.name),
                                local_error={f: (L.errors[f].local.rel_l2 if L.errors.get(f) and L.errors[f].local
-                                                else None) for f in candidates_formats}))
-    if not cands:
-        return make_plan(analysis, candidates_formats, target_name), None
-    factors, cal_info = calibrate(analysis, cands, candidates_formats)
-    result = plan_formats(cands, candidates_formats, symmetric_reference_loss(analysis),
-                          analysis.budget.max_loss_rel_change, calibration=factors)
-    result.calibration_info = cal_info
-    result.raw_impacts = {c.name: dict(c.impact) for c in cands}
-    # the default is the format that covers most GEMM FLOPs (ties: the preferred one)
-    flops: dict[Format, int] = {}
-    for c in cands:
-        f = result.decisions[c.name].format
-        flops[f] = flops.get(f, 0) + max(c.flops, 1)
-    low = {f: n for f, n in flops.items() if f is not Format.FP32} or flops
-    default = max(low, key=lambda f: (low[f], -FORMAT_PREFERENCE.index(f)))
-    plan = Plan(default_format=default, default_reason=why if default is choose_default(candidates_formats, target_name)[0]
-                else f"{default} covers most of the GEMM FLOPs in the plan", source="planner")
-    ref = abs(symmetric_reference_loss(analysis)) or 1.0
-    budget_rel = analysis.budget.max_loss_rel_change
+                                                else None) for f in formats}))
+    return cands, zero
 
+
+def _settle_unseen_and_refused(analysis: Analysis, result, zero: dict[str, str], groups: dict[str, str],
+                               default: Format) -> dict[str, str]:
+    """Modules the loss cannot see go to the default; returns the modules without a planner decision that
+    the default's overflow refuses (the smallest responsible ones), and moves the children of a refused
+    container to FP32 with it (``result.decisions`` changed in place)."""
+    by_name = {L.name: L for L in analysis.layers}
     # Modules whose output gradient is zero: the loss cannot see their format; they stay at the default.
     for n, z in zero.items():
         if not refusal(by_name[n], default) and n not in groups:  # tied modules keep their group's one format
@@ -301,14 +335,33 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
                 result.decisions[m] = replace(d, format=Format.FP32, promoted=False,
                                               reason=f"inside {n}, which runs in fp32: {default} refused there, "
                                                      f"{why_r}")
+    return refused
+
+
+def _baseline(analysis: Analysis, capture, result, refused: dict[str, str], default: Format):
+    """``baseline(name)``: the format a module runs in unless overridden: its nearest pinned container's, else
+    the default."""
+    by_name = {L.name: L for L in analysis.layers}
+    records = {r.name: r for r in capture.layers}
     pinned_parents = {n: d.format for n, d in result.decisions.items()
                       if d.format is not default and not records[n].is_leaf}
-    pinned_parents.update({n: Format.FP32 for n, rs in refused.items() if not by_name[n].is_leaf})
+    pinned_parents.update({n: Format.FP32 for n in refused if not by_name[n].is_leaf})
 
     def baseline(name: str) -> Format:
         inherited = [(p, f) for p, f in pinned_parents.items() if name.startswith(p + ".")]
         return max(inherited, key=lambda pf: len(pf[0]))[1] if inherited else default
 
+    return baseline
+
+
+def _layer_plans(analysis: Analysis, capture, plan: Plan, result, refused: dict[str, str]) -> None:
+    """Every module's format and reason into ``plan.layers`` (and ``plan.overrides`` where it differs from the
+    format it would otherwise run in)."""
+    default = plan.default_format
+    baseline = _baseline(analysis, capture, result, refused, default)
+    by_name = {L.name: L for L in analysis.layers}
+    ref = abs(symmetric_reference_loss(analysis)) or 1.0
+    budget_rel = analysis.budget.max_loss_rel_change
     for L in analysis.layers:
         d = result.decisions.get(L.name)
         base = baseline(L.name)
@@ -328,7 +381,10 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
                                                " (no GEMM of its own: autocast's op policy decides its precision)"
                                                if L.computes else " (no computation of its own)"))
         plan.layers[L.name] = lp
-    # modules tied to a planned module share its format, GEMM or not (an Embedding tied to an LM head)
+
+
+def _share_tied_formats(plan: Plan, result, groups: dict[str, str], baseline) -> None:
+    """Modules tied to a planned module share its format, GEMM or not (an Embedding tied to an LM head)."""
     members: dict[str, list[str]] = {}
     for n, g in groups.items():
         members.setdefault(g, []).append(n)
@@ -347,16 +403,6 @@ def make_planned(analysis: Analysis, capture, perf, candidates_formats: tuple[Fo
                 plan.overrides[n] = lp
             else:
                 plan.overrides.pop(n, None)
-    for r in capture.layers:  # modules without a GEMM are labelled too (their format is the op policy's)
-        if r.name and r.name not in zero and r.computes and (z := zero_gradient(by_name[r.name], r, modules.get(r.name))):
-            zero[r.name] = z
-            if r.name not in plan.overrides and r.name not in result.decisions:
-                plan.layers[r.name] = LayerPlan(plan.layers[r.name].format, f"{z}: its format cannot change the "
-                                                                            "loss; default format")
-    plan.zero_gradient = dict(zero)
-    plan.refusals = {f: [n for n in (L.name for L in analysis.layers) if refusal(by_name[n], f)]
-                     for f in candidates_formats}
-    return plan, result
 
 
 def _us(t: float | None) -> str:

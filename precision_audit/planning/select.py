@@ -75,7 +75,7 @@ def plan_step_time(plan: Plan, perf) -> float:
     for name, lp in perf.layers.items():
         if lp.cost is None:
             continue
-        times = lp.cost.get("estimated_step_time_s") or {}
+        times = lp.cost.estimated_step_time_s
         layer = plan.layers.get(name)
         f = (layer.format if layer is not None else plan.default_format).value
         total += times.get(f, times.get("fp32", 0.0))

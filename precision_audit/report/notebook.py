@@ -1,13 +1,13 @@
 """The audit as a Jupyter cell output: ``AuditResult._repr_html_`` (README.md, "In a notebook").
 
-One self-contained HTML fragment built from audit.json's content: the verdict, the per-format table, the plan,
+One self-contained HTML fragment built from the audit's record (precision_audit/record.py): the verdict, the per-format table, the plan,
 and the per-layer table collapsed in a ``<details>``. No script, no external stylesheet, font or image, and no
 URL: a notebook shows it offline, and a sanitising viewer (GitHub, nbviewer) that drops styles still shows
 plain tables. Every piece of text from the audit (module names, reasons, warnings) is escaped.
 
 Example::
 
-    html = notebook_html(result.audit, result.policy.to_dict(), result.files)
+    html = notebook_html(result.record, result.policy.to_dict(), result.files)
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from .html import fmt_num, fmt_seconds, speedup
+from ..record import AuditRecord, LayerReport, PlanReport
+from .numbers import fmt_num, fmt_seconds
 
 #: Per-layer rows shown before the table says how many more are in report.html.
 MAX_LAYER_ROWS = 500
@@ -39,20 +40,21 @@ _STYLE = """
 """
 
 
-def notebook_html(audit: Mapping[str, Any], policy: Mapping[str, Any] | None = None,
+def notebook_html(audit: AuditRecord | Mapping[str, Any], policy: Mapping[str, Any] | None = None,
                   files: Sequence[Path] = ()) -> str:
-    """The fragment Jupyter displays for a finished audit (``policy`` and ``files`` are optional)."""
-    model = audit.get("model") or {}
-    target = (audit.get("target") or {}).get("name", "?")
-    verdict = audit.get("verdict") or {}
-    ok = verdict.get("exit_code") == 0
+    """The fragment Jupyter displays for a finished audit (``policy`` and ``files`` are optional); ``audit`` is
+    the audit's record, or audit.json's content (read into the record first)."""
+    from .audit_json import as_record
+
+    r = as_record(audit)
+    ok = r.verdict.exit_code == 0
     parts = [f'<div class="pa-nb"><style>{_STYLE}</style>',
-             f"<div><b>precision-audit</b>: {_e(model.get('class', '?'))} "
-             f"({_count(model.get('parameters'))} parameters), target {_e(target)}, {_e(audit.get('mode', '?'))} "
+             f"<div><b>precision-audit</b>: {_e(r.model.class_)} "
+             f"({_count(r.model.parameters)} parameters), target {_e(r.target.get('name', '?'))}, {_e(r.mode)} "
              "mode</div>",
-             f'<div class="v {"ok" if ok else "bad"}">{_e(verdict.get("message", ""))} '
-             f'<span class="muted">(exit code {_e(verdict.get("exit_code"))})</span></div>',
-             _formats_table(audit), _plan(audit, policy), _layers(audit), _warnings(audit), _files(files),
+             f'<div class="v {"ok" if ok else "bad"}">{_e(r.verdict.message)} '
+             f'<span class="muted">(exit code {_e(r.verdict.exit_code)})</span></div>',
+             _formats_table(r), _plan(r.plan, policy), _layers(r), _warnings(r.warnings), _files(files),
              "</div>"]
     return "\n".join(p for p in parts if p)
 
@@ -65,86 +67,88 @@ def _count(n: Any) -> str:
     return f"{n:,}" if isinstance(n, int) else "?"
 
 
-def _formats_table(audit: Mapping[str, Any]) -> str:
-    summary = audit.get("summary") or {}
-    formats = list(audit.get("formats") or [])
+def _formats_table(r: AuditRecord) -> str:
     rows = ['<h4>Formats</h4><table><tr><th class="t">format</th><th>loss</th><th>loss change</th>'
             '<th>output error</th><th>non-finite outputs</th><th>est. step</th><th>speedup</th>'
             '<th class="t">verdict</th></tr>']
-    for f in ["fp32", *formats]:
-        s = summary.get(f) or {}
-        out = s.get("output") or {}
-        est = (s.get("step_time") or {}).get("estimated_s")
-        sp = speedup(audit, f) if f in summary else None
-        nonfinite = (s.get("nonfinite") or {}).get("outputs")
-        verdict = "reference" if f == "fp32" else s.get("verdict", "")
-        cls = ' class="t"' if f == "fp32" else (' class="t ok"' if s.get("safe") else ' class="t bad"')
-        rows.append(f'<tr><td class="t">{_e(f)}</td><td>{_e(fmt_num(s.get("loss"), 6))}</td>'
-                    f'<td>{"—" if f == "fp32" else _e(fmt_num(s.get("loss_rel_change")))}</td>'
-                    f'<td>{"—" if f == "fp32" else _e(fmt_num(out.get("rel_l2")))}</td>'
-                    f'<td>{"—" if f == "fp32" else _e(nonfinite)}</td><td>{_e(fmt_seconds(est))}</td>'
-                    f'<td>{_e(f"{sp:.2f}x" if sp else "—")}</td><td{cls}>{_e(verdict)}</td></tr>')
-    for s in audit.get("formats_skipped") or []:
-        rows.append(f'<tr><td class="t">{_e(s.get("format"))}</td><td class="t muted" colspan="7">'
-                    f'{_e(s.get("reason"))}</td></tr>')
+    ref = r.summary.fp32
+    rows.append(f'<tr><td class="t">fp32</td><td>{_e(fmt_num(ref.loss, 6))}</td><td>—</td><td>—</td><td>—</td>'
+                f'<td>{_e(fmt_seconds(ref.step_time.estimated_s))}</td><td>{_e(_speedup(r, "fp32"))}</td>'
+                '<td class="t">reference</td></tr>')
+    for f in r.formats:
+        s = r.summary.formats.get(f)
+        if s is None:
+            rows.append(f'<tr><td class="t">{_e(f)}</td><td>{_e(fmt_num(None, 6))}</td><td>—</td><td>—</td>'
+                        '<td>—</td><td>—</td><td>—</td><td class="t bad"></td></tr>')
+            continue
+        out = s.output.rel_l2 if s.output else None
+        cls = ' class="t ok"' if s.safe else ' class="t bad"'
+        rows.append(f'<tr><td class="t">{_e(f)}</td><td>{_e(fmt_num(s.loss, 6))}</td>'
+                    f'<td>{_e(fmt_num(s.loss_rel_change))}</td><td>{_e(fmt_num(out))}</td>'
+                    f'<td>{_e(s.nonfinite.outputs)}</td><td>{_e(fmt_seconds(s.step_time.estimated_s))}</td>'
+                    f'<td>{_e(_speedup(r, f))}</td><td{cls}>{_e(s.verdict)}</td></tr>')
+    for skipped in r.formats_skipped:
+        rows.append(f'<tr><td class="t">{_e(skipped.format)}</td><td class="t muted" colspan="7">'
+                    f'{_e(skipped.reason)}</td></tr>')
     rows.append("</table>")
     return "".join(rows)
 
 
-def _plan(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> str:
-    plan = audit.get("plan") or {}
-    out = [f"<h4>Plan</h4><div>default format <b>{_e(plan.get('default_format'))}</b>: "
-           f"{_e(plan.get('default_reason'))}</div>"]
-    overrides = plan.get("overrides") or {}
-    if overrides:
+def _speedup(r: AuditRecord, f: str) -> str:
+    sp = r.estimated_speedup(f)
+    return f"{sp:.2f}x" if sp else "—"
+
+
+def _plan(plan: PlanReport, policy: Mapping[str, Any] | None) -> str:
+    out = [f"<h4>Plan</h4><div>default format <b>{_e(plan.default_format)}</b>: "
+           f"{_e(plan.default_reason)}</div>"]
+    if plan.overrides:
         out.append('<table><tr><th class="t">module</th><th class="t">format</th><th class="t">reason</th></tr>')
-        for name, o in overrides.items():
+        for name, o in plan.overrides.items():
             out.append(f'<tr><td class="t"><code>{_e(name or "(model)")}</code></td>'
-                       f'<td class="t">{_e(o.get("format"))}</td><td class="t">{_e(o.get("reason"))}</td></tr>')
+                       f'<td class="t">{_e(o.format)}</td><td class="t">{_e(o.reason)}</td></tr>')
         out.append("</table>")
     else:
         out.append('<div class="muted">no module overrides: every module runs in the default format</div>')
-    verification = plan.get("verification")
-    if isinstance(verification, Mapping):
-        within = verification.get("within_budget")
+    v = plan.verification
+    if v is not None:
         out.append(f"<div>verified with one pass under the policy: loss change "
-                   f"{_e(fmt_num(verification.get('loss_rel_change')))}, output error "
-                   f"{_e(fmt_num(verification.get('output_rel_error')))} "
-                   f"({'within' if within else 'outside'} the budget)</div>")
+                   f"{_e(fmt_num(v.loss_rel_change))}, output error {_e(fmt_num(v.output_rel_error))} "
+                   f"({'within' if v.within_budget else 'outside'} the budget)</div>")
     ls = (policy or {}).get("loss_scaling") or {}
     if ls.get("enabled"):
         out.append(f"<div>fp16 loss scaling: initial scale {_e(fmt_num(ls.get('init_scale')))}</div>")
     return "".join(out)
 
 
-def _layers(audit: Mapping[str, Any]) -> str:
-    layers = [L for L in audit.get("layers") or [] if isinstance(L, Mapping)]
-    formats = list(audit.get("formats") or [])
-    head = "".join(f"<th>{_e(f)} local error</th>" for f in formats)
-    rows = [f"<details><summary>Per-layer table ({len(layers)} modules)</summary><table>"
+def _layers(r: AuditRecord) -> str:
+    head = "".join(f"<th>{_e(f)} local error</th>" for f in r.formats)
+    rows = [f"<details><summary>Per-layer table ({len(r.layers)} modules)</summary><table>"
             f'<tr><th class="t">module</th><th class="t">type</th><th>parameters</th>{head}'
             '<th class="t">plan</th><th class="t">why</th></tr>']
-    for L in layers[:MAX_LAYER_ROWS]:
-        err = L.get("error") or {}
-        cells = "".join(f"<td>{_e(fmt_num(((err.get(f) or {}).get('local') or {}).get('rel_l2')))}</td>"
-                        for f in formats)
-        plan = L.get("plan") or {}
-        rows.append(f'<tr><td class="t"><code>{_e(L.get("name") or "(model)")}</code></td>'
-                    f'<td class="t">{_e(L.get("type"))}</td><td>{_e(_count(L.get("own_parameters")))}</td>{cells}'
-                    f'<td class="t">{_e(plan.get("format"))}</td><td class="t">{_e(plan.get("reason"))}</td></tr>')
+    for L in r.layers[:MAX_LAYER_ROWS]:
+        cells = "".join(f"<td>{_e(fmt_num(_local_rel_l2(L, f)))}</td>" for f in r.formats)
+        rows.append(f'<tr><td class="t"><code>{_e(L.name or "(model)")}</code></td>'
+                    f'<td class="t">{_e(L.type)}</td><td>{_e(_count(L.own_parameters))}</td>{cells}'
+                    f'<td class="t">{_e(L.plan.format)}</td><td class="t">{_e(L.plan.reason)}</td></tr>')
     rows.append("</table>")
-    if len(layers) > MAX_LAYER_ROWS:
-        rows.append(f'<div class="muted">{len(layers) - MAX_LAYER_ROWS} more modules: see report.html</div>')
+    if len(r.layers) > MAX_LAYER_ROWS:
+        rows.append(f'<div class="muted">{len(r.layers) - MAX_LAYER_ROWS} more modules: see report.html</div>')
     rows.append("</details>")
     return "".join(rows)
 
 
-def _warnings(audit: Mapping[str, Any]) -> str:
-    warnings = [w for w in audit.get("warnings") or [] if w]
-    if not warnings:
+def _local_rel_l2(L: LayerReport, f: str) -> float | None:
+    e = L.error.get(f)
+    return e.local.rel_l2 if e is not None and e.local is not None else None
+
+
+def _warnings(warnings: list[str]) -> str:
+    shown = [w for w in warnings if w]
+    if not shown:
         return ""
-    items = "".join(f"<li>{_e(w)}</li>" for w in warnings)
-    return f"<details><summary>Warnings ({len(warnings)})</summary><ul>{items}</ul></details>"
+    items = "".join(f"<li>{_e(w)}</li>" for w in shown)
+    return f"<details><summary>Warnings ({len(shown)})</summary><ul>{items}</ul></details>"
 
 
 def _files(files: Sequence[Path]) -> str:

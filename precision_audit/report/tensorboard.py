@@ -1,4 +1,4 @@
-"""TensorBoard scalars and histograms from a finished audit.json, beside the profiler traces in ``--out``/tb/.
+"""TensorBoard scalars and histograms from a finished audit's record (precision_audit/record.py), beside the profiler traces in ``--out``/tb/.
 
 The step of every per-layer series is the layer's position in audit.json's ``layers`` (the order its forward
 finished), so a scalar chart reads as "error by depth". Tags:
@@ -29,13 +29,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..record import AuditRecord
+from .audit_json import as_record
+
 EVENT_SUFFIX = ".precision-audit"  # our event files end with this; older ones are replaced on rewrite
 
 
-def write_scalars(audit: Mapping[str, Any], logdir: Path) -> Path:
+def write_scalars(audit: AuditRecord | Mapping[str, Any], logdir: Path) -> Path:
     """Write the audit's per-layer figures as TensorBoard events into ``logdir``; returns the event file.
 
-    The file is written into a temporary folder first and moved into place, and the event file of an
+    ``audit`` is the audit's record, or audit.json's content (read into the record first). The file is written
+    into a temporary folder first and moved into place, and the event file of an
     earlier audit in the same folder is replaced, so TensorBoard never shows two audits mixed up.
     """
     from torch.utils.tensorboard import SummaryWriter  # tensorboard only when writing
@@ -46,7 +50,7 @@ def write_scalars(audit: Mapping[str, Any], logdir: Path) -> Path:
     try:
         writer = SummaryWriter(log_dir=str(staging), filename_suffix=EVENT_SUFFIX)
         try:
-            _write(writer, audit)
+            _write(writer, as_record(audit))
         finally:
             writer.close()
         (new,) = [p for p in staging.iterdir() if p.name.endswith(EVENT_SUFFIX)]
@@ -65,47 +69,43 @@ def _num(x: Any) -> float | None:
     return float(x)
 
 
-def _write(w: Any, audit: Mapping[str, Any]) -> None:
-    formats = list(audit.get("formats") or [])
-    layers = list(audit.get("layers") or [])
-
+def _write(w: Any, r: AuditRecord) -> None:
     def scalar(tag: str, value: Any, step: int) -> None:
         v = _num(value)
         if v is not None:
             w.add_scalar(tag, v, step)
 
-    for i, L in enumerate(layers):
-        for f in formats:
-            e = (L.get("error") or {}).get(f) or {}
+    for i, L in enumerate(r.layers):
+        for f in r.formats:
+            e = L.error.get(f)
             for kind in ("local", "accumulated"):
-                rec = e.get(kind) or {}
-                scalar(f"error/{f}/{kind}_rel_l2", rec.get("rel_l2"), i)
-                scalar(f"error/{f}/{kind}_sqnr_db", rec.get("sqnr_db"), i)
-        act = L.get("activation") or {}
-        grad = (L.get("gradient") or {}).get("output") or {}
-        scalar("range/activation_amax", act.get("amax"), i)
-        scalar("range/gradient_amax", grad.get("amax"), i)
-        for f, bits in (act.get("headroom_bits") or {}).items():
+                m = getattr(e, kind) if e is not None else None
+                scalar(f"error/{f}/{kind}_rel_l2", m.rel_l2 if m else None, i)
+                scalar(f"error/{f}/{kind}_sqnr_db", m.sqnr_db if m else None, i)
+        act, grad = L.activation, L.gradient.output
+        scalar("range/activation_amax", act.amax, i)
+        scalar("range/gradient_amax", grad.amax, i)
+        for f, bits in act.headroom_bits.items():
             scalar(f"range/{f}/activation_headroom_bits", bits, i)
-        g16 = grad.get("fp16") or {}
         for when in ("unscaled", "at_recommended"):
-            scalar(f"range/fp16/gradient_flushed_{when}", (g16.get(when) or {}).get("flushed"), i)
-        _histogram(w, "exponents/activation", act.get("exponent_histogram"), i)
-        _histogram(w, "exponents/gradient", grad.get("exponent_histogram"), i)
+            scalar(f"range/fp16/gradient_flushed_{when}", (getattr(grad.fp16, when) or {}).get("flushed"), i)
+        _histogram(w, "exponents/activation", act.exponent_histogram, i)
+        _histogram(w, "exponents/gradient", grad.exponent_histogram, i)
 
-    summary = audit.get("summary") or {}
-    scalar("summary/fp32/loss", (summary.get("fp32") or {}).get("loss"), 0)
-    for f in formats:
-        s = summary.get(f) or {}
-        scalar(f"summary/{f}/loss", s.get("loss"), 0)
-        scalar(f"summary/{f}/loss_rel_change", s.get("loss_rel_change"), 0)
-        scalar(f"summary/{f}/output_rel_l2", (s.get("output") or {}).get("rel_l2"), 0)
-        scalar(f"summary/{f}/estimated_step_s", (s.get("step_time") or {}).get("estimated_s"), 0)
+    scalar("summary/fp32/loss", r.summary.fp32.loss, 0)
+    for f in r.formats:
+        s = r.summary.formats.get(f)
+        if s is None:
+            continue
+        scalar(f"summary/{f}/loss", s.loss, 0)
+        scalar(f"summary/{f}/loss_rel_change", s.loss_rel_change, 0)
+        scalar(f"summary/{f}/output_rel_l2", s.output.rel_l2 if s.output else None, 0)
+        scalar(f"summary/{f}/estimated_step_s", s.step_time.estimated_s, 0)
 
     rows = ["| step | module | type | plan |", "|---:|---|---|---|"]
-    for i, L in enumerate(layers):
-        name = (L.get("name") or "(model)").replace("|", "\\|")
-        rows.append(f"| {i} | `{name}` | {L.get('type', '')} | {(L.get('plan') or {}).get('format', '')} |")
+    for i, L in enumerate(r.layers):
+        name = (L.name or "(model)").replace("|", "\\|")
+        rows.append(f"| {i} | `{name}` | {L.type} | {L.plan.format} |")
     w.add_text("layers", "\n".join(rows), 0)
 
 

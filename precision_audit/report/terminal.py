@@ -21,11 +21,12 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator, Mapping, TextIO
 
 from tqdm import tqdm
 
-from .html import fmt_num, fmt_seconds, speedup
+from ..record import AlignmentRanking, AuditRecord, LossScale, PlanReport, StepTime
+from .numbers import fmt_num, fmt_seconds
 
 STAGE_FORMAT = "{desc} {elapsed}"
 BAR_FORMAT = "  {desc}: {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]"
@@ -143,81 +144,90 @@ def _size(stream: TextIO) -> tuple[int, int]:
 # --- the summary ------------------------------------------------------------------------------------------
 
 
-def summary_text(audit: dict[str, Any]) -> str:
-    """The table printed at the end of an audit: one line per format, the loss scale, and the plan."""
-    summary = audit["summary"]
-    target = audit["target"]["name"]
-    lines = [f"precision-audit: {audit['model']['class']} ({audit['model']['parameters']:,} parameters), "
-             f"target {target}, {audit['mode']} mode"]
-    has_est = any((summary.get(f, {}).get("step_time") or {}).get("estimated_s") is not None
-                  for f in ["fp32", *audit["formats"]])
+def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
+    """The table printed at the end of an audit: one line per format, the loss scale, and the plan.
+
+    ``audit`` is the audit's record, or audit.json's content (read into the record first)."""
+    from .audit_json import as_record
+
+    r = as_record(audit)
+    summary, target = r.summary, r.target["name"]
+    lines = [f"precision-audit: {r.model.class_} ({r.model.parameters:,} parameters), target {target}, {r.mode} mode"]
+    has_est = summary.fp32.step_time.estimated_s is not None or any(
+        s.step_time.estimated_s is not None for f, s in summary.formats.items() if f in r.formats)
     est_head = f" {'est. step':>10} {'speedup':>8}" if has_est else ""
     lines.append(f"  {'format':<7} {'loss':>12} {'loss change':>12} {'output err':>11} {'non-finite':>10}"
                  f"{est_head}  verdict")
 
-    def est(f: str) -> str:
+    def est(f: str, step: StepTime) -> str:
         if not has_est:
             return ""
-        mine = (summary.get(f, {}).get("step_time") or {}).get("estimated_s")
-        sp = speedup(audit, f)
-        return f" {fmt_seconds(mine):>10} {(f'{sp:.2f}x' if sp else '—'):>8}"
+        sp = r.estimated_speedup(f)
+        return f" {fmt_seconds(step.estimated_s):>10} {(f'{sp:.2f}x' if sp else '—'):>8}"
 
-    lines.append(f"  {'fp32':<7} {fmt_num(summary['fp32']['loss'], 6):>12} {'—':>12} {'—':>11} {'—':>10}{est('fp32')}"
+    ref = summary.fp32
+    lines.append(f"  {'fp32':<7} {fmt_num(ref.loss, 6):>12} {'—':>12} {'—':>11} {'—':>10}{est('fp32', ref.step_time)}"
                  "  reference")
-    fp32_note = (summary["fp32"].get("nonfinite") or {}).get("note")
-    if fp32_note:  # FP32's own non-finite values: said here so that no format seems to be blamed for them
-        lines.append(f"  note: {fp32_note}")
-    for f in audit["formats"]:
-        s = summary[f]
-        out = s["output"]["rel_l2"] if s.get("output") else None
-        lines.append(f"  {f:<7} {fmt_num(s['loss'], 6):>12} {fmt_num(s['loss_rel_change']):>12} {fmt_num(out):>11} "
-                     f"{s['nonfinite']['outputs']:>10}{est(f)}  {s['verdict']}")
-    for s in audit["formats_skipped"]:
-        lines.append(f"  {s['format']:<7} {s['reason']}")
-    if not has_est:
-        note = (summary["fp32"].get("step_time") or {}).get("estimated_note")
-        if note:
-            lines.append(f"  step time on {target}: {note}")
-    ls = audit.get("loss_scale")
-    if ls:
-        lines.append(f"  fp16 loss scale: {fmt_num(ls['recommended_init_scale'])} — {ls['reason']}")
-        lp = ls.get("plan")
-        if lp and (lp.get("recommended_init_scale"), lp.get("reason")) != (ls["recommended_init_scale"], ls["reason"]):
-            lines.append(f"    for the plan: {fmt_num(lp['recommended_init_scale'])} — {lp['reason']}")
-    lines += alignment_lines(audit.get("alignment"))
-    lines.append(f"  plan: {audit['verdict']['message']}")
-    plan = audit.get("plan") or {}
-    ver = plan.get("verification") or {}
-    if plan.get("chosen"):
-        est = plan.get("estimated_step_time_s")
-        lines.append(f"    returned: {plan['chosen']}"
-                     + (f", est. {fmt_seconds(est)} per step" if est is not None else "")
-                     + (f", verified loss change {fmt_num(ver.get('loss_rel_change'))}"
-                        if ver.get("loss_rel_change") is not None else "")
-                     + (f", predicted {fmt_num(plan.get('predicted_loss_rel_change'))}"
-                        if plan.get("predicted_loss_rel_change") is not None else ""))
-    for name, o in audit["plan"]["overrides"].items():
-        lines.append(f"    {name or '(model)'} -> {o['format']}: {o['reason']}")
-    if audit.get("mode") == "emulated":
+    if ref.nonfinite.note:  # FP32's own non-finite values: said here so that no format seems to be blamed for them
+        lines.append(f"  note: {ref.nonfinite.note}")
+    for f in r.formats:
+        s = summary.formats[f]
+        out = s.output.rel_l2 if s.output else None
+        lines.append(f"  {f:<7} {fmt_num(s.loss, 6):>12} {fmt_num(s.loss_rel_change):>12} {fmt_num(out):>11} "
+                     f"{s.nonfinite.outputs:>10}{est(f, s.step_time)}  {s.verdict}")
+    for skipped in r.formats_skipped:
+        lines.append(f"  {skipped.format:<7} {skipped.reason}")
+    if not has_est and ref.step_time.estimated_note:
+        lines.append(f"  step time on {target}: {ref.step_time.estimated_note}")
+    lines += _loss_scale_lines(r.loss_scale)
+    lines += alignment_lines(r.alignment)
+    lines.append(f"  plan: {r.verdict.message}")
+    lines += _plan_lines(r.plan)
+    if r.mode == "emulated":
         lines.append("  numerics emulated on the CPU (no GPU); see the report's warnings")
     return "\n".join(lines)
+
+
+def _loss_scale_lines(ls: LossScale | None) -> list[str]:
+    if ls is None:
+        return []
+    lines = [f"  fp16 loss scale: {fmt_num(ls.recommended_init_scale)} — {ls.reason}"]
+    lp = ls.plan
+    if lp and (lp.get("recommended_init_scale"), lp.get("reason")) != (ls.recommended_init_scale, ls.reason):
+        lines.append(f"    for the plan: {fmt_num(lp.get('recommended_init_scale'))} — {lp.get('reason')}")
+    return lines
+
+
+def _plan_lines(plan: PlanReport) -> list[str]:
+    lines = []
+    if plan.chosen:
+        ver, est = plan.verification, plan.estimated_step_time_s
+        lines.append(f"    returned: {plan.chosen}"
+                     + (f", est. {fmt_seconds(est)} per step" if est is not None else "")
+                     + (f", verified loss change {fmt_num(ver.loss_rel_change)}"
+                        if ver is not None and ver.loss_rel_change is not None else "")
+                     + (f", predicted {fmt_num(plan.predicted_loss_rel_change)}"
+                        if plan.predicted_loss_rel_change is not None else ""))
+    for name, o in plan.overrides.items():
+        lines.append(f"    {name or '(model)'} -> {o.format}: {o.reason}")
+    return lines
 
 
 TERMINAL_ALIGNMENT_ROWS = 5  # findings printed; the report lists them all
 
 
-def alignment_lines(al: dict[str, Any] | None) -> list[str]:
+def alignment_lines(al: AlignmentRanking | None) -> list[str]:
     """The alignment findings, worst first, then the batch-size note once and the collapsed count."""
-    if not al or not (al.get("findings") or al.get("batch_note")):
+    if al is None or not (al.findings or al.batch_note):
         return []
-    lines = [f"  alignment (ranked by {al.get('ranked_by') or 'estimated time lost per step'}):"]
-    found = al.get("findings") or []
+    lines = [f"  alignment (ranked by {al.ranked_by or 'estimated time lost per step'}):"]
+    found = al.findings or []
     for f in found[:TERMINAL_ALIGNMENT_ROWS]:
         lines.append(f"    {f['rank']}. {f['text']}")
     if len(found) > TERMINAL_ALIGNMENT_ROWS:
         lines.append(f"    ... {len(found) - TERMINAL_ALIGNMENT_ROWS} more in report.html")
-    if al.get("batch_note"):
-        lines.append(f"    batch size: {al['batch_note']['text']}")
-    if (al.get("collapsed") or {}).get("text"):
-        lines.append(f"    {al['collapsed']['text']}")
+    if al.batch_note:
+        lines.append(f"    batch size: {al.batch_note['text']}")
+    if (al.collapsed or {}).get("text"):
+        lines.append(f"    {al.collapsed['text']}")  # type: ignore[index]
     return lines

@@ -1,0 +1,238 @@
+"""The audit's typed record (precision_audit/record.py) and its one converter (report/audit_json.py), and the
+planning, policy and record-building steps on hand-made findings (issue 13, items 1 and 2; docs/record.md).
+
+The stored audit.json of every sample model (tests/golden/) is the reference for the round trip: read into the
+record and written back it must be the same document, so the converter neither loses nor
+invents a field; what it writes it reads back to the same text. The planning tests build an :class:`Analysis` by hand, with a known answer, and call the
+planner and the policy builder without running a model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from precision_audit import record as R
+from precision_audit.analysis.findings import (Analysis, Budget, FormatError, FormatSummary, GradientFinding,
+                                               LayerFinding, RangeFinding)
+from precision_audit.assemble import layer_report, plan_counts, verdict
+from precision_audit.capture.stats import ErrorStats
+from precision_audit.formats import Format
+from precision_audit.gpus import resolve_target
+from precision_audit.planning.rules import LayerPlan, Plan, plan_by_rules
+from precision_audit.policy.build import DEFAULT_INIT_SCALE, build_policy
+from precision_audit.report.audit_json import ReportInputError, from_json, read, to_json
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+SAMPLES = sorted(p.name.removesuffix(".audit.json") for p in GOLDEN.glob("*.audit.json"))
+
+
+def _stored(name: str) -> dict:
+    return json.loads((GOLDEN / f"{name}.audit.json").read_text())
+
+
+# --- the round trip -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_stored_audit_reads_into_the_record_and_writes_back_the_same(name):
+    doc = _stored(name)
+    record = from_json(copy.deepcopy(doc))
+    assert isinstance(record, R.AuditRecord)
+    again = to_json(record)
+    assert again == doc
+    # written, read and written again: the same text, key order included (the stored files are key-sorted)
+    assert json.dumps(to_json(from_json(again)), indent=1) == json.dumps(again, indent=1)
+    # nothing of a file the audit wrote is left to the catch-all
+    assert not record.extra and not record.absent - {"verify"}
+    assert all(not L.extra for L in record.layers)
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_the_record_is_typed_all_the_way_to_the_figures(name):
+    doc = _stored(name)
+    r = from_json(doc)
+    assert r.model.class_ == doc["model"]["class"]
+    for f in r.formats:
+        s = r.summary.formats[f]
+        assert isinstance(s, R.FormatSummary) and isinstance(s.step_time, R.StepTime)
+        assert s.loss_rel_change == doc["summary"][f]["loss_rel_change"]
+        assert s.output is None or isinstance(s.output, R.ErrorMetrics)
+    for L, raw in zip(r.layers, doc["layers"]):
+        assert isinstance(L, R.LayerReport) and L.name == raw["name"]
+        assert isinstance(L.plan, R.ModulePlan) and L.plan.format == raw["plan"]["format"]
+        assert isinstance(L.activation, R.Activation) and isinstance(L.gradient.output, R.OutputGradient)
+        assert L.cost is None or isinstance(L.cost, R.LayerCost)
+        for f, e in L.error.items():
+            assert isinstance(e, R.LayerError)
+            assert (e.local is None) == (raw["error"][f]["local"] is None)
+    assert isinstance(r.plan.verification, R.PlanVerification)
+    assert all(isinstance(c, R.PlanCandidateReport) for c in r.plan.candidates)
+    assert sum(c.chosen for c in r.plan.candidates) == 1
+    assert r.memory is not None and isinstance(r.memory.per_format["fp32"], R.FormatMemory)
+    assert r.layer("") is r.layers[0] if r.layers[0].name == "" else r.layer("") is None
+
+
+def test_a_hand_edited_file_keeps_unknown_keys_and_leaves_out_what_it_lacked():
+    doc = _stored("mlp")
+    doc["comment"] = "checked by hand"
+    doc["layers"][1]["reviewed"] = True
+    del doc["estimates"]
+    del doc["memory"]
+    r = from_json(copy.deepcopy(doc))
+    assert r.estimates is None and r.memory is None and {"estimates", "memory"} <= r.absent
+    assert r.extra == {"comment": "checked by hand"} and r.layers[1].extra == {"reviewed": True}
+    assert to_json(r) == doc  # no "estimates": null, no lost key
+    # the speedup falls back on the summary's own estimates when "estimates" is gone
+    est = doc["summary"]["fp32"]["step_time"]["estimated_s"] / doc["summary"]["fp16"]["step_time"]["estimated_s"]
+    assert r.estimated_speedup("fp16") == pytest.approx(est, rel=1e-12)
+
+
+def test_from_json_validates_and_names_the_field():
+    doc = _stored("mlp")
+    doc["layers"][2]["calls"] = "three"
+    with pytest.raises(ReportInputError, match=r"layers\[2\]\.calls"):
+        from_json(doc)
+    with pytest.raises(ReportInputError, match="not an audit.json"):
+        from_json({"schema": "precision-audit/policy"})
+
+
+def test_non_finite_figures_are_written_as_null():
+    m = R.ErrorMetrics(rel_l2=math.inf, sqnr_db=None, max_abs=math.nan, cosine=0.5, nonfinite=3, elements=8,
+                       exact=False, fp32_nonfinite=0)
+    assert to_json(m) == {"rel_l2": None, "sqnr_db": None, "max_abs": None, "cosine": 0.5, "nonfinite": 3,
+                          "elements": 8, "exact": False, "fp32_nonfinite": 0}
+
+
+def test_verification_is_a_typed_field_of_the_record_and_passes_the_schema():
+    r = from_json(_stored("fp16_trouble"))
+    assert "verify" not in to_json(r)
+    r.verify = R.VerifyResult(steps=2, optimizer="adam", lr=1e-3, seed=0, mode="emulated",
+                              curves={"fp32": [1.0, 0.9], "policy": [1.0, 0.91], "bf16": [1.0, 0.95],
+                                      "fp16": [None, None]},
+                              skipped_steps={"fp16": 2}, errors={}, final_loss_rel_change={"policy": 0.0111},
+                              param_rel_change={"policy": 0.001}, policy_failure=None, policy_safe=True,
+                              loss=R.LossFacts(kind="loss_fn", description="loss_fn(output, batch)"))
+    doc = to_json(r)
+    assert doc["verify"]["curves"]["fp16"] == [None, None] and doc["verify"]["loss"]["kind"] == "loss_fn"
+    back = from_json(doc)  # validates against precision_audit/schemas/audit.schema.json
+    assert back.verify == r.verify
+
+
+def test_read_keeps_a_value_of_another_shape_than_the_field():
+    """A schema-valid file may hold a shape this version does not type (the report renders it generically)."""
+    layer = copy.deepcopy(_stored("mlp")["layers"][1])
+    layer["alignment"] = {"findings": []}
+    L = read(R.LayerReport, layer)
+    assert L.alignment == {"findings": []} and to_json(L) == layer
+
+
+# --- hand-made findings: planning, policy, record sections --------------------------------------------------
+
+
+def _range(amax: float, overflow16: float = 0.0) -> RangeFinding:
+    fr = {"fp16": {"flushed": 0.0, "subnormal": 0.0, "overflow": overflow16},
+          "bf16": {"flushed": 0.0, "subnormal": 0.0, "overflow": 0.0}}
+    return RangeFinding(amax=amax, elements=64, zeros=0, nonfinite=0, headroom_bits={"fp16": 1.0, "bf16": 100.0},
+                        fractions=fr, exponent_histogram={-1: 60, 3: 4})
+
+
+def _stats(rel: float) -> ErrorStats:
+    # rel_l2 = sqrt(sum_diff2 / sum_ref2)
+    return ErrorStats(n=64, sum_ref2=1.0, sum_diff2=rel * rel, sum_dot=1.0, sum_p2=1.0, max_abs=rel)
+
+
+def _layer(name: str, rel: float, amax: float = 1.0, overflow16: float = 0.0, computes: bool = True,
+           leaf: bool = True) -> LayerFinding:
+    grad = GradientFinding(output_amax=0.1, output_fp16_unscaled={"flushed": 0.0, "subnormal": 0.0, "overflow": 0.0},
+                           output_fp16_at_recommended=None, param_amax=None, param_fp16_unscaled=None,
+                           param_fp16_at_recommended=None, output_exponent_histogram={-4: 64},
+                           nonfinite={"fp16": 0})
+    err = FormatError(local=_stats(rel), local_note=None, accumulated=_stats(rel), output_dtypes=["float16"],
+                      activation_amax=amax, activation_nonfinite=0, unmatched_calls=0)
+    return LayerFinding(name=name, type="Linear" if leaf else "Sequential", depth=name.count(".") + (1 if name else 0),
+                        is_leaf=leaf, computes=computes, calls=1, param_count=10, total_param_count=10,
+                        output_shapes=[[4, 4]], errors={Format.FP16: err}, activation=_range(amax, overflow16),
+                        gradient=grad)
+
+
+def _analysis(layers: list[LayerFinding]) -> Analysis:
+    s = FormatSummary(format=Format.FP16, loss=2.0, loss_rel_change=1e-4, output=_stats(1e-3), output_nonfinite=0,
+                      param_grads_nonfinite=0, loss_scale=1024.0, error=None, safe=True, verdict="safe")
+    return Analysis(layers=layers, summaries={Format.FP16: s}, loss_scale=None, budget=Budget(), reference_loss=2.0)
+
+
+def test_rules_plan_pins_an_overflowing_layer_and_an_error_outlier_to_fp32():
+    """V100-like target (fp16 only): 'big' overflows fp16, 'noisy' has 100x the median local error; the rest
+    keep the default. The known answer: exactly those two pinned, with reasons quoting the figures."""
+    layers = [_layer("", 1e-3, computes=False, leaf=False), _layer("a", 1e-3), _layer("b", 2e-3),
+              _layer("big", 1e-3, amax=1e5, overflow16=0.25), _layer("noisy", 0.1), _layer("c", 1e-3)]
+    plan = plan_by_rules(_analysis(layers), (Format.FP16,), "V100")
+    assert plan.default_format is Format.FP16
+    assert set(plan.overrides) == {"big", "noisy"}
+    assert plan.overrides["big"].format is Format.FP32 and "25.0% of its values overflow" in plan.overrides["big"].reason
+    assert "local error 1.00e-01" in plan.overrides["noisy"].reason
+    assert {n: lp.format for n, lp in plan.layers.items() if n not in plan.overrides} == \
+        {"": Format.FP16, "a": Format.FP16, "b": Format.FP16, "c": Format.FP16}
+    assert plan_counts(plan) == "2 in fp32"
+
+
+def test_rules_plan_pins_the_smallest_responsible_module_only():
+    layers = [_layer("", 1e-3, computes=False, leaf=False), _layer("block", 1e-3, amax=1e5, overflow16=0.5, leaf=False),
+              _layer("block.inner", 1e-3, amax=1e5, overflow16=0.5), _layer("other", 1e-3)]
+    plan = plan_by_rules(_analysis(layers), (Format.FP16,), "V100")
+    assert set(plan.overrides) == {"block.inner"}
+
+
+def test_rules_plan_without_a_low_precision_format_keeps_fp32():
+    plan = plan_by_rules(_analysis([_layer("a", 1e-3)]), (), "T4")
+    assert plan.default_format is Format.FP32 and not plan.overrides and plan.layers["a"].format is Format.FP32
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def test_policy_of_a_plan_turns_loss_scaling_on_only_with_fp16_and_tf32_off_after_an_error_pin():
+    from precision_audit.policy.schema import fingerprint
+
+    model, target = _model(), resolve_target("h100")
+    fp, n = fingerprint(model)
+    bf16 = Plan(default_format=Format.BF16, default_reason="test")
+    p = build_policy(model, fp, n, target, bf16, None)
+    assert not p.loss_scaling.enabled and p.tf32_matmul and p.default_format == "bf16"
+    mixed = Plan(default_format=Format.BF16, default_reason="test",
+                 overrides={"0": LayerPlan(Format.FP16, "fastest"), "2": LayerPlan(Format.FP32, "fp16 local error 1e-1")})
+    p = build_policy(model, fp, n, target, mixed, 2.0 ** 12)
+    assert p.loss_scaling.enabled and p.loss_scaling.init_scale == 2.0 ** 12
+    assert not p.tf32_matmul and not p.tf32_cudnn  # TF32 would undo a pin for local error
+    assert {k: v.format for k, v in p.modules.items()} == {"0": "fp16", "2": "fp32"}
+    assert build_policy(model, fp, n, target, Plan(Format.FP16, "t"), None).loss_scaling.init_scale == DEFAULT_INIT_SCALE
+    v100 = build_policy(model, fp, n, resolve_target("v100"), bf16, None)
+    assert not v100.tf32_matmul  # no TF32 before Ampere
+
+
+def test_verdict_and_layer_entry_from_hand_made_findings():
+    layers = [_layer("", 1e-3, computes=False, leaf=False), _layer("a", 1e-3)]
+    a = _analysis(layers)
+    plan = plan_by_rules(a, (Format.FP16,), "V100")
+    v = verdict(a, plan, (Format.FP16,))
+    assert v.exit_code == 0 and v.safe_formats == ["fp16"] and v.message.startswith("recommended: fp16")
+    unsafe = _analysis(layers)
+    unsafe.summaries[Format.FP16] = FormatSummary(**{**vars(a.summaries[Format.FP16]), "safe": False})
+    assert verdict(unsafe, plan, (Format.FP16,)).exit_code == 1
+    assert verdict(a, plan, ()).message == "no low-precision format was audited"
+    entry = layer_report(layers[1], plan, None, "here")
+    assert entry.plan == R.ModulePlan(format="fp16", reason="default format")
+    assert entry.alignment is None and entry.alignment_note == "not measured" and entry.cost is None
+    assert entry.error["fp16"].local.rel_l2 == pytest.approx(1e-3)
+    assert entry.activation.exponent_histogram == {"-1": 60, "3": 4}
+    doc = to_json(entry)
+    assert read(R.LayerReport, doc) == entry
