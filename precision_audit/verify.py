@@ -148,8 +148,10 @@ def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Op
            device_type: str) -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
     """A step function for one arm: (loss) -> (loss value, skipped)."""
     if arm == "policy":
-        handle = policy.apply(model, device_type=device_type)
-        controller = policy.controller(model, opt, device=device_type)
+        from .runtime.api import apply_policy, controller as make_controller
+
+        handle = apply_policy(model, policy, device_type=device_type)
+        controller = make_controller(model, opt, policy, device=device_type)
 
         def step(loss):
             rec = controller.step(loss)

@@ -63,7 +63,7 @@ import torch
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import LOW_PRECISION_DTYPES, _ACTIVE, apply_policy
+from .apply import LOW_PRECISION_DTYPES, _ACTIVE, apply_policy, make_grad_scaler
 from .monitor import StabilityMonitor, StepRecord
 
 log = logging.getLogger(__name__)
@@ -282,11 +282,11 @@ class PrecisionController:
 
     Example::
 
-        policy = load_policy("audit/policy.json")
-        handle = policy.apply(model)
-        controller = policy.controller(model, optimizer, adaptive=True)
+        policy = pa.load_policy("audit/policy.json")
+        handle = pa.apply_policy(model, policy)
+        controller = pa.controller(model, optimizer, policy, adaptive=True)
         for x, y in loader:
-            with policy.autocast("cuda"):
+            with pa.autocast(policy, "cuda"):
                 loss = loss_fn(model(x), y)
             controller.step(loss)
         print(controller.monitor.summary())
@@ -353,7 +353,7 @@ class PrecisionController:
         if device is None:
             device = self._params[0].device.type if self._params else "cpu"
         self.device_type = torch.device(device).type if not isinstance(device, str) else device.split(":")[0]
-        self.scaler = policy.grad_scaler(self.device_type)
+        self.scaler = make_grad_scaler(policy, self.device_type)
         self._step = 0
         self._skipped = 0
         self._streaks: dict[str, list[int]] = {}
@@ -583,6 +583,6 @@ class PrecisionController:
         if handle is not None:
             handle._reapply(policy)
         else:
-            self._own_handle = apply_policy(policy, self.model, strict=False)
+            self._own_handle = apply_policy(self.model, policy, strict=False)
             log.info("adaptive precision: the policy was not applied to the model; the controller applied its "
                      "updated copy (controller.close() removes it)")
