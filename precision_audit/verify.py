@@ -148,7 +148,8 @@ def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Op
            device_type: str) -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
     """A step function for one arm: (loss) -> (loss value, skipped)."""
     if arm == "policy":
-        from .runtime.api import apply_policy, controller as make_controller
+        from .runtime.api import apply_policy
+        from .runtime.api import controller as make_controller
 
         handle = apply_policy(model, policy, device_type=device_type)
         controller = make_controller(model, opt, policy, device=device_type)

@@ -35,7 +35,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         sys.path.insert(0, str(FP16_TROUBLE))
         import model as fp16_trouble
-
         import precision_audit as pa
         from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
 

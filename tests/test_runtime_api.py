@@ -82,7 +82,7 @@ def test_apply_policy_refuses_the_arguments_swapped():
 def test_the_record_has_no_runtime_methods(method):
     policy = _policy(_net())
     assert not hasattr(policy, method)
-    with pytest.raises(AttributeError, match=rf"precision_audit\.\w+\(") as e:
+    with pytest.raises(AttributeError, match=r"precision_audit\.\w+\(") as e:
         getattr(policy, method)
     assert f"Policy.{method}()" in str(e.value)
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):

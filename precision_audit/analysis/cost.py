@@ -28,7 +28,8 @@ ELEMENT_BYTES = {Format.FP32: 4, Format.TF32: 4, Format.BF16: 2, Format.FP16: 2,
 ASSUMPTIONS = (
     "roofline per op over the target's dense peak and memory bandwidth (gpus.py, with sources)",
     f"output tiles of {TILE}x{TILE} (or 64 for dimensions under {TILE}), one tile per SM per wave",
-    f"a dimension off the format's vector-width rule costs {ALIGNMENT_PENALTY:g}x (heuristic), never less than padding it",
+    f"a dimension off the format's vector-width rule costs {ALIGNMENT_PENALTY:g}x (heuristic), "
+    "never less than padding it",
     f"step = forward + backward = {STEP_OVER_FORWARD:g} x forward",
     "FP32 GEMMs at the non-Tensor-Core FP32 peak (torch's default: TF32 off for matmuls)",
     "no kernel-launch latency and no overlap between ops",

@@ -131,10 +131,10 @@ class LossScaleFinding:
     viable: bool
     reason: str
     gradients: Fp16Gradients | None = None  # which gradients the scale was derived from
-    uniform: "LossScaleFinding | None" = None  # for a plan's finding: the uniform FP16 pass's one
+    uniform: LossScaleFinding | None = None  # for a plan's finding: the uniform FP16 pass's one
     layers: tuple[LayerRecord, ...] = field(default=(), repr=False, compare=False)  # to re-derive for a plan
 
-    def for_plan(self, plan: Any) -> "LossScaleFinding":
+    def for_plan(self, plan: Any) -> LossScaleFinding:
         """The same recommendation from the gradients the plan computes in FP16 (``plan.layers[name].format``,
         the default format for modules it does not list). Returns ``self`` when the plan runs nothing in
         FP16 (no loss scaling is needed then), or when this finding has no layer records."""
@@ -266,7 +266,9 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         flushed_at_recommended=best,
         overflow_unscaled=unscaled["overflow"],
         default_skipped_steps=None if forward_overflow else skipped,
-        gradscaler_settles_exponent=None if forward_overflow else min(k_max, GRADSCALER_INIT_EXPONENT) if skipped else GRADSCALER_INIT_EXPONENT,
+        gradscaler_settles_exponent=(None if forward_overflow
+                                     else min(k_max, GRADSCALER_INIT_EXPONENT) if skipped
+                                     else GRADSCALER_INIT_EXPONENT),
         viable=viable,
         reason=reason + basis,
         gradients=gradients,

@@ -6,9 +6,9 @@ around it: autocast is switched off for the audit, whose FP32 reference must be 
 ``accelerate`` wrapped in its own autocast is set aside for the audit and put back after (the model object is
 otherwise untouched: the audit runs on a copy, precision_audit/api.py).
 
-Training under the policy (``apply_policy=True``): ``apply_policy(model, policy)`` puts each module the plan overrides in
-its format, and the plan's default format goes on each top-level submodule the plan does not name, as an
-override of its own. The policy's formats then hold inside the model whatever autocast the trainer runs around
+Training under the policy (``apply_policy=True``): ``apply_policy(model, policy)`` puts each module the plan
+overrides in its format, and the plan's default format goes on each top-level submodule the plan does not name, as
+an override of its own. The policy's formats then hold inside the model whatever autocast the trainer runs around
 it (an inner autocast wins over an outer one); the ops of the model's own forward outside any submodule (and
 of the training step: the loss) run as the trainer runs them. The trainer's loss scaling is the trainer's:
 fp16 modules want ``fp16=True`` (Hugging Face) / ``precision="16-mixed"`` (Lightning) for their GradScaler.

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import OptionError
 from .schema import Policy

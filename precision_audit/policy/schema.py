@@ -343,7 +343,7 @@ class Policy:
                 return self.default_format
             name = name.rpartition(".")[0]
 
-    def with_override(self, module_name: str, format: str, reason: str) -> "Policy":
+    def with_override(self, module_name: str, format: str, reason: str) -> Policy:
         """A copy with ``module_name`` set to ``format`` (the original is unchanged)."""
         return dataclasses.replace(self, modules={**self.modules, module_name: ModuleOverride(format, reason)})
 
@@ -438,7 +438,7 @@ class Policy:
         return doc
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Policy":
+    def from_dict(cls, d: Any) -> Policy:
         """Validate and load; a malformed policy raises :class:`PolicyError` naming the field.
 
         Never raises anything else for JSON-like input (dicts, lists, strings, numbers, bools, None).
