@@ -1,5 +1,5 @@
 """A/B check of a policy by short training: the same N steps from the same initial weights under FP32, under
-the policy, and under plain BF16 and FP16 autocast (DESIGN §7 ``precision-audit verify``).
+the policy, and under plain BF16 and FP16 autocast (README.md, "Usage": ``precision-audit verify``).
 
 On a GPU the arms run under real ``torch.autocast("cuda")``; elsewhere CUDA autocast is emulated exactly as in
 the audit. Every arm sees the same batch each step, the same seed and the same optimizer settings; plain FP16

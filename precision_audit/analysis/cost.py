@@ -17,8 +17,9 @@ from ..gpus import GpuSpec
 from .alignment import TILE, is_aligned, padded
 
 # A misaligned dimension makes cuBLAS pick kernels with narrower vector loads. NVIDIA's guide gives no single
-# factor; a report of a misaligned LM head (vocab 128003) running ~3x slower than padded (NUMERICS §4.3,
-# secondary) is the worst case we know of. 2x is our heuristic, and it is labelled as such in the outputs.
+# factor; a report of a misaligned LM head (vocab 128003) running ~3x slower than padded (Netflix tech blog,
+# 2026-02-13, via a secondary summary) is the worst case we know of. 2x is our heuristic, and it is labelled as
+# such in the outputs.
 ALIGNMENT_PENALTY = 2.0
 STEP_OVER_FORWARD = 3.0
 

@@ -1,4 +1,4 @@
-"""FP16 loss scaling from the measured gradient distribution (NUMERICS.md §6, docs/report.md "Loss scale").
+"""FP16 loss scaling from the measured gradient distribution (docs/report.md, "Loss scale").
 
 All counts are exact: the gradient histogram has an edge at every FP16 rounding threshold divided by every
 candidate scale 2^k, so "how many gradients overflow / flush to zero at scale 2^k" is read, not estimated.

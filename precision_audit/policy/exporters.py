@@ -1,4 +1,5 @@
-"""Export a policy to the settings other training stacks read (DESIGN §6).
+"""Export a policy to the settings other training stacks read (docs/policy.md, "Exporting to other
+stacks").
 
 ``precision-audit export policy.json --to deepspeed|lightning|accelerate|fsdp [--out FILE]``
 

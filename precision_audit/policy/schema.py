@@ -1,4 +1,4 @@
-"""policy.json: a versioned, validated per-module precision plan (DESIGN §5, §7).
+"""policy.json: a versioned, validated per-module precision plan (docs/policy.md).
 
 This module imports nothing from the audit machinery nor from the runtime: the record is data. The runtime
 (:mod:`precision_audit.runtime`) imports it, never the other way round (docs/architecture.md); applying a

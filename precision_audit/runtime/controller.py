@@ -14,7 +14,7 @@
 
 Without faults the GradScaler's state is step for step the one of the plain loop (tests/test_runtime.py).
 
-**No non-finite update, in any format** (DESIGN §7, docs/policy.md). With a GradScaler, a non-finite gradient
+**No non-finite update, in any format** (docs/policy.md, "The runtime"). With a GradScaler, a non-finite gradient
 makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients
 the GradScaler does not see: optimizer parameters it was not given). Without one (bf16, fp32, fp16 with loss
 scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm is only the gate: a
@@ -119,7 +119,7 @@ def _kind(values: list[float]) -> str:
 
 @dataclass(frozen=True)
 class Attribution:
-    """Where a step's non-finite gradients started, decided before the optimizer step (DESIGN §7, docs/policy.md).
+    """Where a step's non-finite gradients started, decided before the optimizer step (docs/policy.md).
 
     ``source``: the first module, in the order the forward calls finished, whose floating output was non-finite
     although its floating inputs were finite, or None; ``detail``: what was seen there (quoted in logs and
@@ -452,7 +452,7 @@ class PrecisionController:
                     # skip and back off as it does for its own finds
                     for v in found_infs:
                         v.fill_(1.0)
-            # The update: never with a non-finite gradient, whatever the format (DESIGN §7). A disabled scaler's
+            # The update: never with a non-finite gradient, whatever the format (docs/policy.md). A disabled scaler's
             # step() is a plain optimizer.step(), so a skipped step does not call it at all.
             if not skip or scaler.is_enabled():
                 scaler.step(opt)
