@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import ast
+import copy
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +89,8 @@ def test_the_record_has_no_runtime_methods(method):
     assert f"Policy.{method}()" in str(e.value)
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         policy.nonsense  # noqa: B018 - any other missing name is an ordinary AttributeError
+    # The hook on missing names leaves copying and pickling alone (they probe for optional methods).
+    assert copy.deepcopy(policy) == policy == pickle.loads(pickle.dumps(policy))
 
 
 def test_the_top_level_names_are_the_runtimes():
