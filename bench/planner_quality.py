@@ -64,7 +64,9 @@ def run_depth(depth: int, budget: float) -> None:
 
         pol = dataclasses.replace(c.policy, default_format="bf16", modules={
             n: ModuleOverride("fp32", "bench") for n in gemm_modules if n not in low})
-        handle = pol.apply(model, device_type="cpu")
+        from precision_audit import apply_policy
+
+        handle = apply_policy(model, pol, device_type="cpu")
         try:
             with torch.no_grad(), emulated_autocast(torch.bfloat16):
                 return float(spec(model(*batch.args), batch))

@@ -22,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import precision_audit as pa  # noqa: E402
 from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast  # noqa: E402
 from precision_audit.loading import load_batch, load_model, resolve_loss  # noqa: E402
 from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout  # noqa: E402
@@ -73,15 +74,15 @@ def main() -> None:
                 if what == "hand":
                     got["hand"] = one(by_hand)
                     continue
-                handle = policy.apply(model, device_type="cpu")
-                box["controller"] = policy.controller(model, opt, device="cpu")
+                handle = pa.apply_policy(model, policy, device_type="cpu")
+                box["controller"] = pa.controller(model, opt, policy, device="cpu")
                 order = ("ours", "no_hooks") if r % 4 < 2 else ("no_hooks", "ours")
                 if order[0] == "no_hooks":
                     box["controller"].close()
                 got[order[0]] = one(with_policy)
                 box["controller"].close()  # removes the source hooks; steps are still checked and skipped
                 if order[1] == "ours":  # a fresh controller, hooks on
-                    box["controller"] = policy.controller(model, opt, device="cpu")
+                    box["controller"] = pa.controller(model, opt, policy, device="cpu")
                 got[order[1]] = one(with_policy)
                 box["controller"].close()
                 handle.remove()
@@ -94,7 +95,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; residual MLP probe, emulated bf16")
     print(f"{'step':<34} {'median ms':>10} {'ratio':>7}")
     print(f"{'by hand (autocast + GradScaler)':<34} {base * 1e3:>10.3f} {1.0:>6.2f}x")
-    print(f"{'policy.apply + controller.step':<34} {ours * 1e3:>10.3f} {ours / base:>6.2f}x")
+    print(f"{'apply_policy + controller.step':<34} {ours * 1e3:>10.3f} {ours / base:>6.2f}x")
     print(f"{'  the same without source hooks':<34} {no_hooks * 1e3:>10.3f} {no_hooks / base:>6.2f}x")
     print(f"source hooks, paired per round: {hooks * 1e3:+.3f} ms per step ({hooks / no_hooks:+.1%} of the step "
           "without them)")

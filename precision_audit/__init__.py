@@ -8,6 +8,9 @@ Example::
 
     from precision_audit import AuditOptions, run_audit
     result = run_audit(AuditOptions(model="model.py", batch="sample.pt"))   # files, as the command line
+
+    policy = precision_audit.load_policy("audit/policy.json")              # in training (docs/policy.md)
+    handle = precision_audit.apply_policy(model, policy)
 """
 
 __version__ = "0.1.0"
@@ -19,7 +22,10 @@ from .errors import AuditError  # noqa: E402  (no torch: `import precision_audit
 #: ``audit`` is the module precision_audit/audit.py itself, which is callable: ``precision_audit.audit(model,
 #: batch)`` runs precision_audit/api.py's audit().
 _LAZY = {"audit": ".audit", "AuditOptions": ".audit", "run_audit": ".audit", "AuditResult": ".audit",
-         "Format": ".formats", "load_policy": ".policy.io", "Policy": ".policy.schema"}
+         "Format": ".formats", "load_policy": ".policy.io", "Policy": ".policy.schema",
+         # The runtime's functions (docs/policy.md, "The runtime"); the Policy record itself is data only.
+         "apply_policy": ".runtime.api", "autocast": ".runtime.api", "grad_scaler": ".runtime.api",
+         "controller": ".runtime.api"}
 
 
 def __getattr__(name: str):
@@ -31,5 +37,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "audit", "load_policy", "run_audit",
-           "__version__"]
+__all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "apply_policy", "audit", "autocast",
+           "controller", "grad_scaler", "load_policy", "run_audit", "__version__"]

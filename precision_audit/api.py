@@ -14,7 +14,7 @@ Example::
     import precision_audit
     result = precision_audit.audit(model, (x, y), out="audit")
     print(result.summary())
-    result.policy.apply(model)
+    handle = precision_audit.apply_policy(model, result.policy)
 """
 
 from __future__ import annotations

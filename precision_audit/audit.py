@@ -74,7 +74,7 @@ class AuditResult:
 
         result = precision_audit.audit(model, batch)
         print(result.summary())        # the terminal table
-        result.policy                  # the per-layer Policy (result.policy.apply(model) to train under it)
+        result.policy                  # the per-layer Policy (precision_audit.apply_policy(model, result.policy) trains under it)
         result.save("audit")           # audit.json, policy.json, report.html and tb/, all or nothing
     """
 

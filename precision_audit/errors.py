@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-
 # The seeds torch's random generators accept (torch.manual_seed): --seed of the audit and of verify.
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 

@@ -1,7 +1,7 @@
 """The target GPUs: compute capability, SM count, memory, bandwidth and dense peak throughput.
 
-Every figure carries a comment naming its source, as collected in ``reference/NUMERICS.md`` §4.2 (SM counts)
-and §5 (peaks, memory, compute capability). Conventions:
+Every figure carries a comment naming its source; docs/gpus.md collects the sources (peaks, memory, compute
+capability, SM counts) and the conventions. Conventions:
 
 - Tensor-core peaks are **dense** (no 2:4 structured sparsity) with **FP32 accumulate**. NVIDIA datasheets
   usually print tensor figures *with* sparsity (marked ``*``); the dense figure is half of that.
@@ -47,11 +47,11 @@ FORMAT_NAMES: tuple[str, ...] = names(GPU_TABLE_FORMATS)
 #: paired with ``fp8_e4m3``, so it is not a candidate of its own).
 CANDIDATE_ORDER: tuple[str, ...] = names(CANDIDATE_FORMATS)
 
-#: ``"cited"``: read from a (copy of a) datasheet or whitepaper table; ``"uncertain"``: NUMERICS.md marks at
-#: least one figure of the row as [memory] or disputed.
+#: ``"cited"``: read from a (copy of a) datasheet or whitepaper table; ``"uncertain"``: at least one figure of
+#: the row was not re-read from a primary source, or sources disagree (docs/gpus.md, "Conventions").
 CONFIDENCE_LEVELS: tuple[str, ...] = ("cited", "uncertain")
 
-# Minimum compute capability for a tensor-core path per format (NUMERICS.md §5, "Compute capability -> format
+# Minimum compute capability for a tensor-core path per format (docs/gpus.md, "Compute capability and format
 # support"; torch: is_bf16_supported / is_tf32_supported are `major >= 8`, FP8 _scaled_mm needs SM >= 8.9).
 _MIN_CC: Mapping[str, tuple[int, int]] = types.MappingProxyType(
     {
@@ -204,7 +204,7 @@ class GpuSpec:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The table. Sources: reference/NUMERICS.md §5 (per-row citation below) and §4.2 (SM counts).
+# The table. Sources: the per-row citation below; docs/gpus.md collects them, with the SM counts.
 # --------------------------------------------------------------------------------------------------------
 
 GPUS: tuple[GpuSpec, ...] = (
@@ -213,7 +213,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="h100-sxm",
         aliases=("h100", "h100-sxm5", "h100-80gb-hbm3"),
         compute_capability=(9, 0),
-        sms=132,  # NUMERICS §4.2
+        sms=132,  # docs/gpus.md, "SM counts"
         memory_gb=80.0,  # 80 GB HBM3: H100 datasheet
         bandwidth_gbps=3350.0,  # 3.35 TB/s: H100 datasheet
         peak_tflops=_peaks(
@@ -233,7 +233,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="h100-pcie",
         aliases=("h100-pcie-80gb",),
         compute_capability=(9, 0),
-        sms=114,  # NUMERICS §4.2 and §5
+        sms=114,  # docs/gpus.md, "SM counts"
         memory_gb=80.0,  # 80 GB HBM2e: H100 datasheet
         bandwidth_gbps=2000.0,  # 2.0 TB/s: H100 datasheet
         peak_tflops=_peaks(
@@ -252,7 +252,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="h200",
         aliases=("h200-sxm", "h200-141gb"),
         compute_capability=(9, 0),
-        sms=132,  # NUMERICS §4.2 (same GH100 configuration as H100 SXM)
+        sms=132,  # docs/gpus.md, "SM counts" (same GH100 configuration as H100 SXM)
         memory_gb=141.0,  # 141 GB HBM3e: H200 datasheet
         bandwidth_gbps=4800.0,  # 4.8 TB/s: H200 datasheet
         peak_tflops=_peaks(
@@ -271,7 +271,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="b200",
         aliases=("hgx-b200", "dgx-b200", "b200-sxm"),
         compute_capability=(10, 0),
-        sms=148,  # NUMERICS §4.2 [memory]
+        sms=148,  # docs/gpus.md, "SM counts" [memory]
         memory_gb=180.0,  # 180 GB HBM3e usable (192 physical): HGX B200 spec table
         bandwidth_gbps=7700.0,  # 7.7 TB/s: HGX B200 spec table (other sources round to 8 TB/s)
         peak_tflops=_peaks(
@@ -292,7 +292,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="a100-80gb",
         aliases=("a100", "a100-80", "a100-sxm4-80gb", "a100-80gb-sxm"),
         compute_capability=(8, 0),
-        sms=108,  # NUMERICS §4.2
+        sms=108,  # docs/gpus.md, "SM counts"
         memory_gb=80.0,  # 80 GB HBM2e: A100 datasheet
         bandwidth_gbps=2039.0,  # 2,039 GB/s SXM (PCIe 80GB: 1,935): A100 datasheet [memory]
         peak_tflops=_peaks(
@@ -312,7 +312,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="a100-40gb",
         aliases=("a100-40", "a100-sxm4-40gb", "a100-pcie-40gb"),
         compute_capability=(8, 0),
-        sms=108,  # NUMERICS §4.2
+        sms=108,  # docs/gpus.md, "SM counts"
         memory_gb=40.0,  # 40 GB HBM2: A100 datasheet
         bandwidth_gbps=1555.0,  # 1,555 GB/s: A100 datasheet, confirmed in a secondary table
         peak_tflops=_peaks(
@@ -332,7 +332,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="a10",
         aliases=("a10-24gb",),
         compute_capability=(8, 6),
-        sms=72,  # NUMERICS §4.2
+        sms=72,  # docs/gpus.md, "SM counts"
         memory_gb=24.0,  # 24 GB GDDR6: A10 datasheet
         bandwidth_gbps=600.0,  # 600 GB/s: A10 datasheet (600.2 in a secondary table)
         peak_tflops=_peaks(
@@ -352,7 +352,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="l4",
         aliases=("l4-24gb",),
         compute_capability=(8, 9),
-        sms=58,  # NUMERICS §4.2 (some spec sites say 60; 7,424 CUDA cores / 128 per SM = 58) [uncertain]
+        sms=58,  # docs/gpus.md, "SM counts" (some spec sites say 60; 7,424 CUDA cores / 128 per SM = 58) [uncertain]
         memory_gb=24.0,  # 24 GB GDDR6: L4 datasheet
         bandwidth_gbps=300.0,  # 300 GB/s: L4 datasheet
         peak_tflops=_peaks(
@@ -372,7 +372,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="l40s",
         aliases=("l40s-48gb",),
         compute_capability=(8, 9),
-        sms=142,  # NUMERICS §4.2
+        sms=142,  # docs/gpus.md, "SM counts"
         memory_gb=48.0,  # 48 GB GDDR6: L40S datasheet
         bandwidth_gbps=864.0,  # 864 GB/s: L40S datasheet
         peak_tflops=_peaks(
@@ -392,7 +392,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="t4",
         aliases=("t4-16gb",),
         compute_capability=(7, 5),
-        sms=40,  # NUMERICS §4.2
+        sms=40,  # docs/gpus.md, "SM counts"
         memory_gb=16.0,  # 16 GB GDDR6: T4 datasheet
         bandwidth_gbps=320.0,  # 320 GB/s: T4 datasheet (confirmed in a secondary table)
         peak_tflops=_peaks(
@@ -411,7 +411,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="v100-sxm2",
         aliases=("v100", "v100-sxm2-16gb", "v100-sxm2-32gb"),
         compute_capability=(7, 0),
-        sms=80,  # NUMERICS §4.2
+        sms=80,  # docs/gpus.md, "SM counts"
         memory_gb=16.0,  # 16 GB HBM2 (a 32 GB variant has the same compute): V100 datasheet
         bandwidth_gbps=900.0,  # 900 GB/s: V100 datasheet [memory]
         peak_tflops=_peaks(
@@ -431,7 +431,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="v100-pcie",
         aliases=("v100-pcie-16gb", "v100-pcie-32gb"),
         compute_capability=(7, 0),
-        sms=80,  # NUMERICS §4.2 (same GV100 configuration)
+        sms=80,  # docs/gpus.md, "SM counts" (same GV100 configuration)
         memory_gb=16.0,  # 16 GB HBM2 (32 GB variant exists): V100 datasheet
         bandwidth_gbps=900.0,  # 900 GB/s: V100 datasheet [memory]
         peak_tflops=_peaks(
@@ -450,7 +450,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="rtx-3090",
         aliases=("3090", "geforce-rtx-3090"),
         compute_capability=(8, 6),
-        sms=82,  # NUMERICS §4.2
+        sms=82,  # docs/gpus.md, "SM counts"
         memory_gb=24.0,  # 24 GB GDDR6X: GA102 whitepaper
         bandwidth_gbps=936.0,  # 936 GB/s: GA102 whitepaper
         peak_tflops=_peaks(
@@ -471,7 +471,7 @@ GPUS: tuple[GpuSpec, ...] = (
         key="rtx-4090",
         aliases=("4090", "geforce-rtx-4090"),
         compute_capability=(8, 9),
-        sms=128,  # NUMERICS §4.2
+        sms=128,  # docs/gpus.md, "SM counts"
         memory_gb=24.0,  # 24 GB GDDR6X: Ada whitepaper
         bandwidth_gbps=1008.0,  # 1,008 GB/s: Ada whitepaper
         peak_tflops=_peaks(
@@ -690,7 +690,7 @@ def format_targets_table(gpus: Iterable[GpuSpec] = GPUS) -> str:
     )
     out.append(
         "conf '?' = at least one figure is from memory or disputed. Sources: precision_audit/gpus.py "
-        "(per-figure comments) and reference/NUMERICS.md §4-§5."
+        "(per-figure comments) and docs/gpus.md."
     )
     out.append("Also accepted for --target (case, spaces and dashes ignored):")
     key_width = max((len(g.key) for g in gpus), default=0)

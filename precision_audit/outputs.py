@@ -24,8 +24,10 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from .errors import OutputError
 
@@ -95,8 +97,8 @@ class _NoInterrupt:
     """
 
     def __enter__(self) -> None:
-        self._pending: list[tuple[int, object]] = []
-        self._old: object = None
+        self._pending: list[tuple[int, FrameType | None]] = []
+        self._old: Callable[[int, FrameType | None], Any] | int | None = None
         self._active = threading.current_thread() is threading.main_thread()
         if self._active:
             self._old = signal.signal(signal.SIGINT, lambda signum, frame: self._pending.append((signum, frame)))

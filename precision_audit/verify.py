@@ -1,5 +1,5 @@
 """A/B check of a policy by short training: the same N steps from the same initial weights under FP32, under
-the policy, and under plain BF16 and FP16 autocast (DESIGN §7 ``precision-audit verify``).
+the policy, and under plain BF16 and FP16 autocast (README.md, "Usage": ``precision-audit verify``).
 
 On a GPU the arms run under real ``torch.autocast("cuda")``; elsewhere CUDA autocast is emulated exactly as in
 the audit. Every arm sees the same batch each step, the same seed and the same optimizer settings; plain FP16
@@ -148,8 +148,11 @@ def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Op
            device_type: str) -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
     """A step function for one arm: (loss) -> (loss value, skipped)."""
     if arm == "policy":
-        handle = policy.apply(model, device_type=device_type)
-        controller = policy.controller(model, opt, device=device_type)
+        from .runtime.api import apply_policy
+        from .runtime.api import controller as make_controller
+
+        handle = apply_policy(model, policy, device_type=device_type)
+        controller = make_controller(model, opt, policy, device=device_type)
 
         def step(loss):
             rec = controller.step(loss)

@@ -44,7 +44,6 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-
 _MISSING = object()
 
 
@@ -102,7 +101,7 @@ class FakeEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         if not (self.enable_timing and end.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self.t is None or end.t is None:
@@ -213,7 +212,7 @@ class FakeCuda:
         self._saved.append((owner, name, getattr(owner, name, _MISSING)))
         setattr(owner, name, value)
 
-    def __enter__(self) -> "FakeCuda":
+    def __enter__(self) -> FakeCuda:
         from precision_audit.capture.emulation import CudaAutocastPolicy
 
         c = torch.cuda
@@ -317,7 +316,7 @@ class FakeCuda:
         finally:
             self.__enter__()
 
-    def __deepcopy__(self, memo: dict) -> "FakeCuda":
+    def __deepcopy__(self, memo: dict) -> FakeCuda:
         return self  # the device itself: a model holding it (to drive its memory) is copied without it
 
     def _reset_peak(self, device: Any = None) -> None:

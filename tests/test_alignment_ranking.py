@@ -59,7 +59,8 @@ MODEL = textwrap.dedent("""
 
     def sample_batch():
         g = torch.Generator().manual_seed(0)
-        return {"pixels": torch.randn(2, 3, 112, 112, generator=g), "ids": torch.randint(0, 50257, (2, 16), generator=g)}
+        return {"pixels": torch.randn(2, 3, 112, 112, generator=g),
+                "ids": torch.randint(0, 50257, (2, 16), generator=g)}
 
     def loss_fn(output, batch):
         return output[0].float().pow(2).mean() + output[1].float().pow(2).mean()

@@ -20,12 +20,11 @@ import torch
 from torch import nn
 
 import precision_audit
+from conftest import ROOT
 from precision_audit.audit import AuditOptions, run_audit
 from precision_audit.errors import AuditError, BatchError, LossError, ModelLoadError, OptionError, OutputError
 from precision_audit.loading import load_model
 from precision_audit.report.terminal import summary_text
-
-from conftest import ROOT
 
 MLP = ROOT / "sample_models" / "mlp"
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections.abc
 import importlib.util
-import math
 import sys
 import types
 import unittest
@@ -40,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast
-
 from test_cuda_kernel_models import addr_model, as_list, gru_model, lstm_model, tensor
 
 FP16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64

@@ -176,8 +176,8 @@ POLICY_TEXT_BROKEN = '{\n  "schema": "precision-audit/policy"\n  "version": 1\n}
 
 def good_policy_dict() -> dict:
     """A valid policy for the MLP sample (the one the good audit writes)."""
-    from precision_audit.policy.schema import LossScaling, Policy, fingerprint
     from precision_audit.loading import load_model
+    from precision_audit.policy.schema import LossScaling, Policy, fingerprint
 
     model, _ = load_model(MLP)
     fp, n = fingerprint(model)
@@ -325,7 +325,8 @@ CASES: list[Case] = [
     Case("batch-truncated-zip",
          lambda d: [model_file(d, LINEAR), "--batch", raw_file(d, Path(MLP_BATCH).read_bytes()[:300], "batch.pt")],
          ("not a torch.save file", "truncated or corrupted")),
-    Case("batch-pickled-custom-object", lambda d: [model_file(d, LINEAR), "--batch", batch_file(d, Point(torch.ones(4, 8)))],
+    Case("batch-pickled-custom-object",
+         lambda d: [model_file(d, LINEAR), "--batch", batch_file(d, Point(torch.ones(4, 8)))],
          ("Point", "weights_only=True", "never unpickles", "re-save the batch", "torch.save((x, y)")),
     Case("batch-numpy-array",
          lambda d: [model_file(d, LINEAR), "--batch", batch_file(d, (__import__("numpy").zeros((4, 8), "float32"),))],
@@ -349,7 +350,8 @@ CASES: list[Case] = [
     Case("batch-is-a-string", lambda d: [model_file(d, LINEAR), "--batch", batch_file(d, "hello")],
          ("holds no tensor", "a str")),
     Case("batch-keys-forward-does-not-take",
-         lambda d: [model_file(d, LINEAR), "--batch", batch_file(d, {"inputs": torch.ones(4, 8), "mask": torch.ones(4)})],
+         lambda d: [model_file(d, LINEAR), "--batch",
+                    batch_file(d, {"inputs": torch.ones(4, 8), "mask": torch.ones(4)})],
          ("does not take: inputs, mask", "valid choices: input")),
     Case("batch-too-many-positional-inputs",
          lambda d: [model_file(d, LINEAR), "--batch", batch_file(d, (torch.ones(4, 8),) * 4)],

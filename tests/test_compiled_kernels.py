@@ -28,7 +28,6 @@ from precision_audit.capture.autocast_policy import CUDA_POLICY, CastPolicy
 from precision_audit.capture.emulation import CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
 from precision_audit.capture.memory import SavedTensorCounter
 from precision_audit.errors import AuditError
-
 from test_emulation import CASES, Inputs, _dtypes_for  # the op recipes of the dtype-policy tests
 
 ROOT = Path(__file__).resolve().parent.parent

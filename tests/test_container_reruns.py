@@ -8,7 +8,6 @@ concatenation) is still re-run.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 

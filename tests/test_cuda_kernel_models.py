@@ -318,7 +318,7 @@ def gru_model(X, H, Wih, Whh, bih, bhh, dt, gates=None):
     for r in range(len(X)):
         hrow, wrow = [], [[None] * hsz for _ in range(5)]
         for j in range(hsz):
-            def at(v, g):
+            def at(v, g, j=j):
                 return v[g * hsz + j]
             rg = sigmoid32(f32(f32(f32(at(ig_[r], 0) + at(hg_[r], 0)) + at(bih, 0)) + at(bhh, 0)))
             zg = sigmoid32(f32(f32(f32(at(ig_[r], 1) + at(hg_[r], 1)) + at(bih, 1)) + at(bhh, 1)))

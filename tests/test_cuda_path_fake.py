@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import precision_audit as pa
 from conftest import SAMPLES
 from fakecuda import FakeCuda, fake_cuda  # noqa: F401 - the fixture
 from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
 from precision_audit.tf32_switches import restore, snapshot, tf32_enabled, tf32_switches
-
 
 # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -113,9 +113,9 @@ def test_runtime_tf32_modules_and_autocast_keep_the_users_setting(user, tf32_sta
     seen = []  # a child's pre-hook runs inside its parent's (wrapped) forward
     model[1][0].register_forward_pre_hook(lambda m, a: seen.append(tf32_enabled()))
     policy = make_policy(model, "bf16", {"1": "fp32"}, tf32_matmul=True, tf32_cudnn=False)
-    with policy.apply(model, device_type="cuda"):
+    with pa.apply_policy(model, policy, device_type="cuda"):
         model(torch.randn(2, 16))
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         inside = tf32_enabled()
     assert seen == [(False, False)] and inside == (True, False)
     assert snapshot() == before

@@ -35,7 +35,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         sys.path.insert(0, str(FP16_TROUBLE))
         import model as fp16_trouble
-
+        import precision_audit as pa
         from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
 
         model = fp16_trouble.build_model()  # same seed: same initial weights on both ranks
@@ -46,10 +46,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                         loss_scaling=LossScaling(enabled=True, init_scale=131072.0, growth_interval=2),
                         model_layout=model_layout(model))
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        handle = policy.apply(ddp)  # names without the "module." prefix
+        handle = pa.apply_policy(ddp, policy)  # names without the "module." prefix
         assert handle.modules == {"hot": "fp32"}
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        ctl = policy.controller(ddp, opt, device="cpu")
+        ctl = pa.controller(ddp, opt, policy, device="cpu")
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         dtypes = {}
         model.hot.register_forward_hook(lambda m, i, o: dtypes.__setitem__("hot", o.dtype))
@@ -63,11 +63,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             if step == INF_STEP:
                 # no_sync: DDP does not all-reduce this step's gradients, so only rank 1's are non-finite
                 with ddp.no_sync():
-                    with policy.autocast("cpu"):
+                    with pa.autocast(policy, "cpu"):
                         loss = F.mse_loss(ddp(x).float(), y)
                     rec = ctl.step(loss)
             else:
-                with policy.autocast("cpu"):
+                with pa.autocast(policy, "cpu"):
                     loss = F.mse_loss(ddp(x).float(), y)
                 rec = ctl.step(loss)
             rows.append({"skipped": rec.skipped, "scale": ctl.scaler.get_scale(),

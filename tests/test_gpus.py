@@ -169,7 +169,7 @@ def test_peaks_are_ordered_by_format_width(gpu: GpuSpec) -> None:
         assert gpu.peak("fp8_e4m3") == gpu.peak("fp8_e5m2")
 
 
-# Datasheet figures *with* 2:4 sparsity (NUMERICS.md §5): the table must hold half of each.
+# Datasheet figures *with* 2:4 sparsity (docs/gpus.md, "Conventions"): the table must hold half of each.
 SPARSE_DATASHEET = [
     ("h100-sxm", "bf16", 1979.0),
     ("h100-sxm", "tf32", 989.0),
@@ -316,7 +316,7 @@ def test_targets_table_lists_every_gpu_and_explains_itself() -> None:
         assert gpu.name in row
     v100_row = next(ln for ln in lines if ln.startswith("v100-sxm2 "))
     assert v100_row.count("—") == 3  # TF32, BF16, FP8
-    assert "dense" in table and "NUMERICS.md" in table
+    assert "dense" in table and "docs/gpus.md" in table
 
 
 def test_targets_table_accepts_a_subset() -> None:

@@ -39,8 +39,7 @@ import torch
 
 from conftest import ROOT
 from precision_audit.cli import main
-from precision_audit.errors import (EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNSAFE, EXIT_USAGE, AuditError,
-                                    OptionError)
+from precision_audit.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNSAFE, EXIT_USAGE, AuditError
 
 MLP = str(ROOT / "sample_models" / "mlp" / "model.py")
 MLP_BATCH = str(ROOT / "sample_models" / "mlp" / "sample.pt")

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import math
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, layer
-from precision_audit.analysis.alignment import (EFFICIENT_MULTIPLE, REQUIRED_MULTIPLE, check_dims, padded,
-                                                tile_waste_pct)
+from conftest import layer
+from precision_audit.analysis.alignment import EFFICIENT_MULTIPLE, REQUIRED_MULTIPLE, check_dims, padded, tile_waste_pct
 from precision_audit.analysis.cost import bytes_time, gemm_time
 from precision_audit.audit import AuditOptions, run_audit
 from precision_audit.capture.ops import GEMM_REGISTRY, GemmOp, ModuleOps, record_op, register_gemm

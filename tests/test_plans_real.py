@@ -319,7 +319,7 @@ def test_a_mixed_plan_is_returned_only_when_verified_and_faster(planted):
 
 def test_override_reasons_name_the_replaced_format_the_figure_and_the_budget(planted):
     a = planted.audit
-    for name, o in a["plan"]["overrides"].items():
+    for o in a["plan"]["overrides"].values():
         r = o["reason"]
         assert r.startswith(f"{o['format']} instead of {a['plan']['default_format']}"), r
         assert "budget 1.00e-03" in r, r
@@ -391,7 +391,7 @@ def test_a_container_whose_own_op_overflows_fp16_runs_in_fp32_as_a_whole(tmp_pat
 def test_impacts_are_calibrated_against_the_measured_whole_format_change(resnetish, planted):
     for c in (resnetish, planted):
         cal = c.audit["plan"]["calibration"]
-        for f, info in cal.items():
+        for info in cal.values():
             if info["note"] is None:
                 assert info["factor"] == pytest.approx(info["measured_loss_rel_change"] / info["first_order_sum_rel"])
     # a uniform plan's calibrated prediction is its format's measurement, so the two agree

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "sample_models" / "fp16_trouble"))
 import model as fp16_trouble  # noqa: E402
 
 # policy.json exactly as precision-audit 0.1.0 wrote it for sample_models/fp16_trouble --target v100: a version-1
-# policy from before model.layout existed. It must keep loading (DESIGN §5: N's policy loads in N+1).
+# policy from before model.layout existed. It must keep loading (docs/policy.md, "Versions": N's policy loads in N+1).
 V1_POLICY = """{
   "schema": "precision-audit/policy",
   "version": 1,

@@ -30,7 +30,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from precision_audit.capture.autocast_policy import CUDA_POLICY, CastPolicy
-
 from test_emulation import RECIPES, Inputs
 
 FP16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32

@@ -252,7 +252,8 @@ def test_clicking_a_header_reorders_rows(browser, sample_audits):
 
     def column() -> list[float]:
         return browser.eval(f"""Array.from(document.querySelectorAll('#layer-table tbody tr'))
-                               .map(r => parseFloat(r.cells[{col}].getAttribute('data-v') || r.cells[{col}].textContent))""")
+                               .map(r => parseFloat(r.cells[{col}].getAttribute('data-v')
+                                                    || r.cells[{col}].textContent))""")
 
     def order() -> list[int]:
         return browser.eval("Array.from(document.querySelectorAll('#layer-table tbody tr')).map(r => r.id)")
@@ -275,7 +276,8 @@ def test_filter_hides_rows(browser, sample_audits):
     browser.open(path)
     browser.click("#layer-filter")
     browser.page("Input.insertText", {"text": "linear"})
-    visible = browser.eval("Array.from(document.querySelectorAll('#layer-table tbody tr')).filter(r => !r.hidden).length")
+    visible = browser.eval("Array.from(document.querySelectorAll('#layer-table tbody tr'))"
+                           ".filter(r => !r.hidden).length")
     expected = sum("linear" in f"{L['name']} {L['type']} {L['plan']['format']}".lower() for L in audit["layers"])
     assert 0 < visible == expected < len(audit["layers"])
 

@@ -1,5 +1,5 @@
 """The runtime on CPU autocast: per-module formats (every module's output dtype is the policy's), exact removal,
-Policy.autocast and its TF32 switches, the GradScaler, and the controller (a 20-step FP16 loop on the FP16-trouble
+pa.autocast(policy) and its TF32 switches, the GradScaler, and the controller (a 20-step FP16 loop on the FP16-trouble
 sample, adaptive promotion of a planted overflowing module, and step-for-step equality with a hand-written
 torch.amp loop)."""
 
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import precision_audit as pa
 from precision_audit import load_policy
 from precision_audit.errors import OptionError, PolicyError
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
@@ -75,9 +76,9 @@ def test_every_linear_outputs_the_policys_dtype(default, overrides):
     model = Net()
     policy = make_policy(model, default, overrides)
     out, inp, _ = record_dtypes(model)
-    handle = policy.apply(model)
+    handle = pa.apply_policy(model, policy)
     x = torch.randn(8, 16)
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         model(x)
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
@@ -98,20 +99,20 @@ def test_remove_restores_forwards_and_hooks_exactly_and_bit_identically():
     model.a.register_forward_hook(lambda m, i, o: None)
     policy = make_policy(model, "bf16", {"block": "fp32", "block.2": "fp16", "head": "fp32", "a": "fp16"})
     x = torch.randn(8, 16)
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         before = model(x)
     state = module_state(model)
-    handle = policy.apply(model)
+    handle = pa.apply_policy(model, policy)
     assert isinstance(handle, PolicyHandle) and active_handle(model) is handle
     assert handle.modules == {"a": "fp16", "block": "fp32", "block.2": "fp16", "head": "fp32"}
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         during = model(x)
     assert not torch.equal(before.float(), during.float())
     handle.remove()
     assert module_state(model) == state
     assert model.block.__dict__["forward"] is user_forward
     assert active_handle(model) is None
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         after = model(x)
     assert after.dtype == before.dtype and torch.equal(after, before)
     handle.remove()  # twice is fine
@@ -120,12 +121,12 @@ def test_remove_restores_forwards_and_hooks_exactly_and_bit_identically():
 def test_apply_as_context_manager_and_twice_refused():
     model = Net()
     policy = make_policy(model, "bf16", {"head": "fp32"})
-    with policy.apply(model) as h:
+    with pa.apply_policy(model, policy) as h:
         with pytest.raises(PolicyError, match="already applied"):
-            policy.apply(model)
+            pa.apply_policy(model, policy)
         assert h.active
     assert not h.active and "forward" not in model.head.__dict__
-    policy.apply(model).remove()
+    pa.apply_policy(model, policy).remove()
 
 
 def test_a_raising_module_leaves_autocast_state_intact():
@@ -136,7 +137,7 @@ def test_a_raising_module_leaves_autocast_state_intact():
 
     model.block[2].forward = boom
     policy = make_policy(model, "bf16", {"block": "fp32", "block.2": "fp16"})
-    with policy.apply(model), policy.autocast("cpu"):
+    with pa.apply_policy(model, policy), pa.autocast(policy, "cpu"):
         with pytest.raises(RuntimeError, match="user error"):
             model(torch.randn(2, 16))
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
@@ -146,13 +147,13 @@ def test_a_raising_module_leaves_autocast_state_intact():
 def test_deepcopy_of_an_applied_model_runs_the_copy():
     model = Net()
     policy = make_policy(model, "bf16", {"head": "fp32"})
-    handle = policy.apply(model)
+    handle = pa.apply_policy(model, policy)
     clone = copy.deepcopy(model)
     with torch.no_grad():
         clone.head.weight.zero_()
         clone.head.bias.zero_()
     x = torch.randn(4, 16)
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         y_clone, y = clone(x), model(x)
     assert y_clone.dtype == torch.float32 and torch.count_nonzero(y_clone) == 0
     assert torch.count_nonzero(y) > 0
@@ -164,17 +165,17 @@ def test_apply_refuses_another_model_with_the_names():
     other = Net()
     other.head = nn.Linear(16, 5)
     with pytest.raises(PolicyError) as e:
-        policy.apply(other)
+        pa.apply_policy(other, policy)
     assert "head: Linear[weight:4x16,bias:4] -> Linear[weight:5x16,bias:5]" in e.value.message
     assert "forward" not in other.head.__dict__
-    policy.apply(other, strict=False).remove()  # strict=False: a logged warning, the names still exist
+    pa.apply_policy(other, policy, strict=False).remove()  # strict=False: a logged warning, the names still exist
 
 
 def test_fp8_override_is_refused_by_the_runtime():
     model = Net()
     policy = make_policy(model, "bf16", {"head": "fp8_e4m3"})
     with pytest.raises(PolicyError, match="autocast has no fp8"):
-        policy.apply(model)
+        pa.apply_policy(model, policy)
     assert active_handle(model) is None and "forward" not in model.head.__dict__
 
 
@@ -184,14 +185,14 @@ def test_fp8_override_is_refused_by_the_runtime():
 def test_autocast_context_and_tf32_switches(default, matmul, enabled, dtype):
     policy = make_policy(Net(), default, tf32_matmul=matmul, tf32_cudnn=False)
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         assert torch.is_autocast_enabled("cpu") is enabled
         if dtype is not None:
             assert torch.get_autocast_dtype("cpu") == dtype
         want = (True, True) if default == "tf32" else (matmul, False)
         assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == want
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == saved
-    with pytest.raises(ZeroDivisionError), policy.autocast("cpu"):
+    with pytest.raises(ZeroDivisionError), pa.autocast(policy, "cpu"):
         raise ZeroDivisionError
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == saved
     assert not torch.is_autocast_enabled("cpu")
@@ -210,7 +211,7 @@ def test_tf32_and_fp32_modules_set_tf32_inside_on_cuda(fmt, inner, outer):
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = outer
-        with policy.apply(model, device_type="cuda"):
+        with pa.apply_policy(model, policy, device_type="cuda"):
             model(torch.randn(2, 16))
         assert seen == [(inner, inner)]
         assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (outer, outer)
@@ -220,10 +221,10 @@ def test_tf32_and_fp32_modules_set_tf32_inside_on_cuda(fmt, inner, outer):
 
 def test_grad_scaler_from_the_policy():
     ls = LossScaling(enabled=True, init_scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
-    s = make_policy(Net(), "fp16", loss_scaling=ls).grad_scaler("cpu")
+    s = pa.grad_scaler(make_policy(Net(), "fp16", loss_scaling=ls), "cpu")
     assert s.is_enabled() and s.get_scale() == 1024.0
     assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (4.0, 0.25, 7)
-    assert not make_policy(Net(), "bf16").grad_scaler("cpu").is_enabled()
+    assert not pa.grad_scaler(make_policy(Net(), "bf16"), "cpu").is_enabled()
 
 
 def test_apply_on_a_compiled_model():
@@ -231,14 +232,14 @@ def test_apply_on_a_compiled_model():
     compiled = torch.compile(model, backend="eager")
     policy = make_policy(model, "bf16", {"head": "fp32"})
     x = torch.randn(4, 16)
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         assert compiled(x).dtype == torch.bfloat16  # compiled before the policy is applied
-    handle = policy.apply(compiled)
+    handle = pa.apply_policy(compiled, policy)
     assert handle.modules == {"head": "fp32"}  # the original names, not _orig_mod.head
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         assert compiled(x).dtype == torch.float32
     handle.remove()
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         assert compiled(x).dtype == torch.bfloat16
 
 
@@ -255,11 +256,11 @@ def fp16_trouble_loop(policy: Policy, steps: int, **controller_kw):
     model = fp16_trouble.build_model()
     x, y = fp16_trouble.sample_batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    handle = policy.apply(model)
-    ctl = policy.controller(model, opt, device="cpu", **controller_kw)
+    handle = pa.apply_policy(model, policy)
+    ctl = pa.controller(model, opt, policy, device="cpu", **controller_kw)
     records = []
     for _ in range(steps):
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             loss = F.mse_loss(model(x).float(), y)
         records.append(ctl.step(loss))
     handle.remove()
@@ -304,14 +305,14 @@ def test_adaptive_promotes_a_planted_overflowing_module(caplog, tmp_path):
     model = Planted()
     model.mid.register_forward_hook(overflow_in_fp16)
     policy = make_policy(model, "fp16", loss_scaling=LossScaling(enabled=True, init_scale=1024.0))
-    handle = policy.apply(model)
+    handle = pa.apply_policy(model, policy)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ctl = policy.controller(model, opt, adaptive=True, device="cpu")
+    ctl = pa.controller(model, opt, policy, adaptive=True, device="cpu")
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     caplog.set_level(logging.WARNING, logger="precision_audit")
     records = []
     for _ in range(6):
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             loss = F.mse_loss(model(x).float(), y)
         records.append(ctl.step(loss))
     assert [r.skipped for r in records] == [True] * 3 + [False] * 3
@@ -337,10 +338,10 @@ def test_adaptive_without_an_applied_policy_applies_its_copy():
     model = Planted()
     model.mid.register_forward_hook(overflow_in_fp16)
     policy = make_policy(model, "fp16", loss_scaling=LossScaling(enabled=True, init_scale=1024.0))
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), adaptive=True, promote_after=2)
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), policy, adaptive=True, promote_after=2)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     for _ in range(3):
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             rec = ctl.step(F.mse_loss(model(x).float(), y))
     assert not rec.skipped and active_handle(model) is not None
     ctl.close()
@@ -353,12 +354,12 @@ def test_adaptive_ignores_a_transient_fault_and_backward_overflow_at_a_high_scal
     model.mid.register_forward_hook(lambda m, a, o: overflow_in_fp16(m, a, o) if fault["on"] else o)
     # init 2^40: the first steps overflow in backward too (the GradScaler's job, not a module's fault)
     policy = make_policy(model, "fp16", loss_scaling=LossScaling(enabled=True, init_scale=2.0 ** 40))
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), adaptive=True)
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), policy, adaptive=True)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     records = []
     for i in range(40):
         fault["on"] = i in (0, 1, 5, 6)  # never 3 steps in a row
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             records.append(ctl.step(F.mse_loss(model(x).float(), y)))
     assert not any(r.promoted for r in records) and ctl.policy.modules == {}
     backward_only = [r for i, r in enumerate(records) if r.skipped and i not in (0, 1, 5, 6)]
@@ -399,10 +400,10 @@ def test_scaler_state_equals_a_hand_written_amp_loop_step_by_step():
     expected = hand_loop(policy, reference, batches)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    ctl = policy.controller(model, opt, device="cpu")
+    ctl = pa.controller(model, opt, policy, device="cpu")
     got = []
     for x, y in batches:
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             rec = ctl.step(F.mse_loss(model(x).float(), y))
         sd = ctl.scaler.state_dict()
         got.append((sd["scale"], sd["_growth_tracker"], rec.skipped))
@@ -418,11 +419,11 @@ def test_controller_on_a_compiled_model():
     model = Net()
     compiled = torch.compile(model, backend="eager")
     policy = make_policy(model, "bf16", {"head": "fp32"})
-    handle = policy.apply(compiled)
-    ctl = policy.controller(compiled, torch.optim.SGD(compiled.parameters(), lr=0.01), adaptive=True)
+    handle = pa.apply_policy(compiled, policy)
+    ctl = pa.controller(compiled, torch.optim.SGD(compiled.parameters(), lr=0.01), policy, adaptive=True)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     for _ in range(3):
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             rec = ctl.step(F.mse_loss(compiled(x).float(), y))
     assert math.isfinite(rec.loss) and rec.scale is None and not rec.skipped
     assert [n for n, _ in ctl._module_params][0] == "a"
@@ -435,14 +436,14 @@ def test_controller_validates_its_arguments():
     policy = make_policy(model, "bf16")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(OptionError):
-        policy.controller(model, "sgd")
+        pa.controller(model, "sgd", policy)
     with pytest.raises(OptionError):
-        policy.controller(model, opt, promote_after=0)
-    ctl = policy.controller(model, opt)
+        pa.controller(model, opt, policy, promote_after=0)
+    ctl = pa.controller(model, opt, policy)
     with pytest.raises(OptionError, match="one-element tensor"):
         ctl.step(torch.ones(3))
     with pytest.raises(PolicyError, match="another model"):
-        policy.controller(Planted(), opt)
+        pa.controller(Planted(), opt, policy)
 
 
 def test_max_grad_norm_clips_like_clip_grad_norm():
@@ -451,7 +452,7 @@ def test_max_grad_norm_clips_like_clip_grad_norm():
     b.load_state_dict(a.state_dict())
     policy = make_policy(a, "fp32")
     x, y = torch.randn(8, 16), torch.randn(8, 4)
-    ctl = policy.controller(a, torch.optim.SGD(a.parameters(), lr=0.1), max_grad_norm=0.01)
+    ctl = pa.controller(a, torch.optim.SGD(a.parameters(), lr=0.1), policy, max_grad_norm=0.01)
     ctl.step(F.mse_loss(a(x), y))
     opt = torch.optim.SGD(b.parameters(), lr=0.1)
     F.mse_loss(b(x), y).backward()

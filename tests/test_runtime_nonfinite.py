@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import precision_audit as pa
 from precision_audit.policy import LossScaling, Policy, fingerprint, model_layout
 from precision_audit.runtime.controller import OUTSIDE_THE_MODEL
 
@@ -66,15 +67,15 @@ def train(default: str, scaling: bool, adaptive: bool = False, promote_after: in
     torch.manual_seed(0)
     model = Net()
     policy = make_policy(model, default, scaling)
-    handle = policy.apply(model)
+    handle = pa.apply_policy(model, policy)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ctl = policy.controller(model, opt, device="cpu", adaptive=adaptive, promote_after=promote_after)
+    ctl = pa.controller(model, opt, policy, device="cpu", adaptive=adaptive, promote_after=promote_after)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
     records, unchanged = [], []
     for _ in range(STEPS):
         before = copy.deepcopy(model.state_dict())
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             loss = F.mse_loss(model(x).float(), y)
         rec = ctl.step(loss)
         records.append(rec)
@@ -161,9 +162,9 @@ def test_the_first_source_in_forward_order_is_named_not_a_later_one():
     model.c.register_forward_hook(lambda m, i, o: o + torch.full_like(o, float("nan")))
     policy = _chain_policy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ctl = policy.controller(model, opt, device="cpu")
+    ctl = pa.controller(model, opt, policy, device="cpu")
     before = copy.deepcopy(model.state_dict())
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         rec = ctl.step(model(torch.randn(4, 8)).float().pow(2).mean())
     assert rec.skipped and rec.sources == ("b",), rec.sources
     assert set(rec.nonfinite_modules) >= {"a", "b"}
@@ -175,12 +176,12 @@ def test_non_finite_model_inputs_blame_no_module(caplog):
     torch.manual_seed(0)
     model = Chain()
     policy = _chain_policy(model)
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", adaptive=True,
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu", adaptive=True,
                             promote_after=1)
     caplog.set_level(logging.WARNING, logger="precision_audit")
     x = torch.randn(4, 8)
     x[0, 0] = float("nan")
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         rec = ctl.step(model(x).float().pow(2).mean())
     assert rec.skipped and rec.sources == () and rec.promoted == ()
     assert any("inputs were not finite" in m.getMessage() for m in caplog.records)
@@ -191,10 +192,10 @@ def test_a_loss_that_overflows_blames_no_module(caplog):
     torch.manual_seed(0)
     model = Chain()
     policy = _chain_policy(model, "fp32")
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", adaptive=True,
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu", adaptive=True,
                             promote_after=1)
     caplog.set_level(logging.WARNING, logger="precision_audit")
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         rec = ctl.step((model(torch.randn(4, 8)).float() * 1e30).pow(2).sum())
     assert rec.skipped and rec.sources == () and rec.promoted == ()
     assert any("they start in the loss" in m.getMessage() for m in caplog.records)
@@ -207,8 +208,8 @@ def test_an_optimizer_parameter_outside_the_model_is_checked_too():
     temperature = nn.Parameter(torch.ones(()))
     policy = _chain_policy(model)
     opt = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
-    ctl = policy.controller(model, opt, device="cpu")
-    with policy.autocast("cpu"):
+    ctl = pa.controller(model, opt, policy, device="cpu")
+    with pa.autocast(policy, "cpu"):
         out = model(torch.randn(4, 8)).float()
     loss = out.pow(2).mean() + torch.sqrt(temperature - 1.0)  # d sqrt(t - 1)/dt at t = 1 is inf; the loss is finite
     rec = ctl.step(loss)
@@ -223,7 +224,7 @@ def test_a_norm_that_overflows_from_finite_gradients_is_not_skipped():
     model = Chain()
     policy = _chain_policy(model, "fp32")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    ctl = policy.controller(model, opt, device="cpu")
+    ctl = pa.controller(model, opt, policy, device="cpu")
     rec = ctl.step(model(torch.randn(4, 8)).sum() * 1e37)
     assert not math.isfinite(rec.grad_norm), "the case must overflow the norm"
     assert not rec.skipped and rec.nonfinite_modules == () and ctl.skipped_steps == 0
@@ -252,7 +253,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
         policy = _chain_policy(model, "bf16")
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        ctl = policy.controller(ddp, opt, device="cpu")
+        ctl = pa.controller(ddp, opt, policy, device="cpu")
         g = torch.Generator().manual_seed(10 + rank)
         rows = []
         for step in range(1, DDP_STEPS + 1):
@@ -260,10 +261,10 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
             x = torch.randn(4, 8, generator=g)
             if step == DDP_BAD_STEP:
                 with ddp.no_sync():  # DDP does not all-reduce this step's gradients: only rank 1's are non-finite
-                    with policy.autocast("cpu"):
+                    with pa.autocast(policy, "cpu"):
                         rec = ctl.step(ddp(x).float().pow(2).mean())
             else:
-                with policy.autocast("cpu"):
+                with pa.autocast(policy, "cpu"):
                     rec = ctl.step(ddp(x).float().pow(2).mean())
             rows.append((rec.skipped, rec.sources, rec.nonfinite_modules))
         torch.save({"rows": rows, "skipped": ctl.skipped_steps,
@@ -303,15 +304,15 @@ def test_without_attribution_steps_are_still_skipped(caplog):
     model = Net()
     policy = make_policy(model, "bf16", False)
     with pytest.raises(Exception, match="attribute=True"):
-        policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", adaptive=True,
+        pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu", adaptive=True,
                           attribute=False)
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu", attribute=False)
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu", attribute=False)
     assert all(not m._forward_hooks for m in model.modules()), "attribute=False installs no hooks"
     caplog.set_level(logging.WARNING, logger="precision_audit")
     x = torch.randn(4, 16)
     records = []
     for _ in range(EVERY):
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             records.append(ctl.step(model(x).float().pow(2).mean()))
     assert [r.skipped for r in records] == [False] * (EVERY - 1) + [True] and records[-1].sources == ()
     assert ctl.skipped_steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
@@ -325,12 +326,12 @@ def test_a_gradscaler_backoff_from_a_too_high_scale_is_routine_info_not_a_warnin
     policy = Policy(model_class="Chain", model_fingerprint=fp, model_modules=n, target_name="H100 SXM",
                     target_compute_capability=(9, 0), default_format="fp16", modules={},
                     loss_scaling=LossScaling(enabled=True, init_scale=2.0 ** 60), model_layout=model_layout(model))
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), device="cpu")
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), policy, device="cpu")
     caplog.set_level(logging.INFO, logger="precision_audit")
     x = torch.randn(4, 8) * 100
     records = []
     for _ in range(3):
-        with policy.autocast("cpu"):
+        with pa.autocast(policy, "cpu"):
             records.append(ctl.step(model(x).float().pow(2).mean()))
     assert records[0].skipped and math.isfinite(records[0].loss), "2^60 must overflow the fp16 backward"
     skips = [m for m in caplog.records if "skipped" in m.getMessage()]
@@ -348,7 +349,7 @@ def test_the_hooks_compile_without_graph_breaks_and_still_name_the_source():
     model.b.register_forward_hook(lambda m, i, o: o * 1e39 if fault["on"] else o)
     policy = _chain_policy(model, "fp32")
     compiled = torch.compile(model, backend="eager", fullgraph=True)
-    ctl = policy.controller(compiled, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    ctl = pa.controller(compiled, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
     records = []
     for step in range(3):
         fault["on"] = step == 2

@@ -1,5 +1,5 @@
-"""The JSON Schemas of audit.json and policy.json (DESIGN §7): they are valid schemas, every sample's real
-output validates against them, and malformed documents are rejected."""
+"""The JSON Schemas of audit.json and policy.json (README.md, "Outputs"; docs/policy.md): they are valid schemas,
+every sample's real output validates against them, and malformed documents are rejected."""
 
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ def test_malformed_policy_is_rejected(sample_audits, breaker):
 
 
 def test_policy_design_example_validates():
-    """The example in DESIGN §7 (with a real-looking fingerprint), and a target without a compute capability."""
+    """The design's example policy (with a real-looking fingerprint), and a target without a compute capability."""
     doc = {
         "schema": "precision-audit/policy", "version": 1,
         "tool": {"name": "precision-audit", "version": "0.1.0"},

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from precision_audit.capture.stats import SCALE_EXPONENTS, ErrorStats, MagnitudeHistogram
-from precision_audit.formats import SPECS, Format, headroom_bits, parse_format
 from precision_audit.errors import OptionError
+from precision_audit.formats import SPECS, Format, headroom_bits, parse_format
 
 FP16_BOUNDARIES = [2.0**-25, 2.0**-24, 2.0**-14, 65504.0, 65519.0, 65520.0]
 
@@ -69,7 +69,8 @@ def test_other_formats_random_magnitudes_match_brute_force(fmt):
 def test_e4m3_thresholds_follow_round_to_nearest_even():
     s = SPECS[Format.FP8_E4M3]
     # 464 is the tie between 448 (even mantissa) and 480 (not representable): it rounds to 448.
-    assert s.overflow_from > 464.0 and s.overflow_from == float(torch.nextafter(torch.tensor(464.0), torch.tensor(500.0)))
+    assert s.overflow_from > 464.0
+    assert s.overflow_from == float(torch.nextafter(torch.tensor(464.0), torch.tensor(500.0)))
     assert torch.tensor(464.0).to(torch.float8_e4m3fn).float().item() == 448.0
     sub = torch.tensor([s.zero_below, s.normal_from]).to(torch.float8_e4m3fn).float()
     assert sub[0].item() == s.min_subnormal and sub[1].item() == s.min_normal

@@ -11,8 +11,6 @@ import venv
 import zipfile
 from pathlib import Path
 
-import pytest
-
 from conftest import ROOT
 
 

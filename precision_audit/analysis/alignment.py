@@ -1,4 +1,5 @@
-"""Tensor Core alignment of the GEMMs that actually ran (NUMERICS.md §4, NVIDIA DL Performance Guide).
+"""Tensor Core alignment of the GEMMs that actually ran (NVIDIA DL Performance Guide; docs/gpus.md, "Alignment
+and tile quantization").
 
 Since cuBLAS 11 / cuDNN 7.6.3 a misaligned dimension costs speed, not Tensor Core eligibility: findings state
 a cost, never "not eligible". Rules, in elements (the guide's 16-byte rule): FP16/BF16 multiples of 8, TF32 of
@@ -21,7 +22,7 @@ REQUIRED_MULTIPLE: dict[Format, int] = {Format.FP16: 8, Format.BF16: 8, Format.T
 # The efficient tier on A100 and later (128 bytes): same table, "on A100, multiples of 64 / 32 / 128".
 EFFICIENT_MULTIPLE: dict[Format, int] = {Format.FP16: 64, Format.BF16: 64, Format.TF32: 32,
                                          Format.FP8_E4M3: 128, Format.FP8_E5M2: 128}
-# Output tile edge used for tile-quantization waste (typical cuBLAS tiles are 128 or 256 wide; NUMERICS §4.2).
+# Output tile edge used for tile-quantization waste (typical cuBLAS tiles are 128 or 256 wide; docs/gpus.md).
 TILE = 128
 
 

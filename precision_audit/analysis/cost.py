@@ -17,8 +17,9 @@ from ..gpus import GpuSpec
 from .alignment import TILE, is_aligned, padded
 
 # A misaligned dimension makes cuBLAS pick kernels with narrower vector loads. NVIDIA's guide gives no single
-# factor; a report of a misaligned LM head (vocab 128003) running ~3x slower than padded (NUMERICS §4.3,
-# secondary) is the worst case we know of. 2x is our heuristic, and it is labelled as such in the outputs.
+# factor; a report of a misaligned LM head (vocab 128003) running ~3x slower than padded (Netflix tech blog,
+# 2026-02-13, via a secondary summary) is the worst case we know of. 2x is our heuristic, and it is labelled as
+# such in the outputs.
 ALIGNMENT_PENALTY = 2.0
 STEP_OVER_FORWARD = 3.0
 
@@ -28,7 +29,8 @@ ELEMENT_BYTES = {Format.FP32: 4, Format.TF32: 4, Format.BF16: 2, Format.FP16: 2,
 ASSUMPTIONS = (
     "roofline per op over the target's dense peak and memory bandwidth (gpus.py, with sources)",
     f"output tiles of {TILE}x{TILE} (or 64 for dimensions under {TILE}), one tile per SM per wave",
-    f"a dimension off the format's vector-width rule costs {ALIGNMENT_PENALTY:g}x (heuristic), never less than padding it",
+    f"a dimension off the format's vector-width rule costs {ALIGNMENT_PENALTY:g}x (heuristic), "
+    "never less than padding it",
     f"step = forward + backward = {STEP_OVER_FORWARD:g} x forward",
     "FP32 GEMMs at the non-Tensor-Core FP32 peak (torch's default: TF32 off for matmuls)",
     "no kernel-launch latency and no overlap between ops",

@@ -1,4 +1,4 @@
-"""FP16 loss scaling from the measured gradient distribution (NUMERICS.md §6, docs/report.md "Loss scale").
+"""FP16 loss scaling from the measured gradient distribution (docs/report.md, "Loss scale").
 
 All counts are exact: the gradient histogram has an edge at every FP16 rounding threshold divided by every
 candidate scale 2^k, so "how many gradients overflow / flush to zero at scale 2^k" is read, not estimated.
@@ -131,10 +131,10 @@ class LossScaleFinding:
     viable: bool
     reason: str
     gradients: Fp16Gradients | None = None  # which gradients the scale was derived from
-    uniform: "LossScaleFinding | None" = None  # for a plan's finding: the uniform FP16 pass's one
+    uniform: LossScaleFinding | None = None  # for a plan's finding: the uniform FP16 pass's one
     layers: tuple[LayerRecord, ...] = field(default=(), repr=False, compare=False)  # to re-derive for a plan
 
-    def for_plan(self, plan: Any) -> "LossScaleFinding":
+    def for_plan(self, plan: Any) -> LossScaleFinding:
         """The same recommendation from the gradients the plan computes in FP16 (``plan.layers[name].format``,
         the default format for modules it does not list). Returns ``self`` when the plan runs nothing in
         FP16 (no loss scaling is needed then), or when this finding has no layer records."""
@@ -267,7 +267,9 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         flushed_at_recommended=best,
         overflow_unscaled=unscaled["overflow"],
         default_skipped_steps=None if forward_overflow else skipped,
-        gradscaler_settles_exponent=None if forward_overflow else min(k_max, GRADSCALER_INIT_EXPONENT) if skipped else GRADSCALER_INIT_EXPONENT,
+        gradscaler_settles_exponent=(None if forward_overflow
+                                     else min(k_max, GRADSCALER_INIT_EXPONENT) if skipped
+                                     else GRADSCALER_INIT_EXPONENT),
         viable=viable,
         reason=reason + basis,
         gradients=gradients,

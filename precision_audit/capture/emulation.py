@@ -1,4 +1,4 @@
-"""CUDA autocast numerics on any device (DESIGN §3).
+"""CUDA autocast numerics on any device (docs/emulation.md).
 
 Two pieces, used together:
 

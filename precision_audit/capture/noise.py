@@ -259,7 +259,9 @@ def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> 
     device_type = "cuda" if cuda else "cpu"
     with _threads(alt):
         session._reset()
-        handle = policy.apply(session.model, device_type=device_type)
+        from ..runtime.apply import apply_policy
+
+        handle = apply_policy(session.model, policy, device_type=device_type)
         try:
             with torch.no_grad(), (session._autocast(default) if default else contextlib.nullcontext()):
                 out = session._forward(session.model)

@@ -854,7 +854,7 @@ class CaptureSession:
         return int((bad & ~ref).sum()), int((bad & ref).sum())
 
     def verify_plan(self, policy: Any, default: Format | None) -> RunRecord:
-        """One forward with ``policy`` applied (runtime's Policy.apply): its loss and output vs the FP32 reference.
+        """One forward with ``policy`` applied (the runtime's apply_policy): its loss and output vs the FP32 reference.
 
         The plan's default format runs as in the format passes; modules the policy overrides run in their own
         format inside it (fp32: autocast off, inputs cast up). Forward only: the budget is on loss and output.
@@ -862,7 +862,9 @@ class CaptureSession:
         self._reset()
         run = RunRecord(format=default or Format.FP32)
         device_type = "cuda" if self.config.mode == "cuda" else "cpu"
-        handle = policy.apply(self.model, device_type=device_type)
+        from ..runtime.apply import apply_policy
+
+        handle = apply_policy(self.model, policy, device_type=device_type)
         try:
             with torch.no_grad(), (self._autocast(default) if default else contextlib.nullcontext()), \
                     self._same_draws(default or Format.FP32):

@@ -6,9 +6,9 @@ around it: autocast is switched off for the audit, whose FP32 reference must be 
 ``accelerate`` wrapped in its own autocast is set aside for the audit and put back after (the model object is
 otherwise untouched: the audit runs on a copy, precision_audit/api.py).
 
-Training under the policy (``apply_policy=True``): ``policy.apply(model)`` puts each module the plan overrides in
-its format, and the plan's default format goes on each top-level submodule the plan does not name, as an
-override of its own. The policy's formats then hold inside the model whatever autocast the trainer runs around
+Training under the policy (``apply_policy=True``): ``apply_policy(model, policy)`` puts each module the plan
+overrides in its format, and the plan's default format goes on each top-level submodule the plan does not name, as
+an override of its own. The policy's formats then hold inside the model whatever autocast the trainer runs around
 it (an inner autocast wins over an outer one); the ops of the model's own forward outside any submodule (and
 of the training step: the loss) run as the trainer runs them. The trainer's loss scaling is the trainer's:
 fp16 modules want ``fp16=True`` (Hugging Face) / ``precision="16-mixed"`` (Lightning) for their GradScaler.
@@ -118,7 +118,9 @@ def training_policy(policy: Any, model: torch.nn.Module) -> Any:
 
 def apply_for_training(policy: Any, model: torch.nn.Module) -> Any:
     """Put the model under ``policy`` for the rest of training; returns the handle (``.remove()`` undoes it)."""
-    handle = training_policy(policy, model).apply(model)
+    from ..runtime.api import apply_policy
+
+    handle = apply_policy(model, training_policy(policy, model))
     log.info("precision-audit: training goes on under the policy (%d module(s) overridden, default %s)",
              len(handle.modules), policy.default_format)
     return handle

@@ -92,7 +92,7 @@ class PrecisionAuditCallback(TrainerCallback):
 def _first_training_forward(model: torch.nn.Module, audit: Any) -> Any:
     """Wrap ``model.forward`` so that its first training call audits its inputs first; returns the undo."""
     had = "forward" in model.__dict__
-    previous = model.__dict__.get("forward")
+    previous: Any = model.__dict__.get("forward")  # the instance's own forward, if it had one
 
     def restore() -> None:
         if model.__dict__.get("forward") is wrapper:

@@ -1,4 +1,4 @@
-"""The per-module precision planner (DESIGN §5).
+"""The per-module precision planner (docs/plan.md).
 
 Each compute module gets the format that makes the target's estimated step time smallest while the error
 budget holds, and never a format whose range its activations or gradients overflow. Sensitivity comes from

@@ -1,5 +1,5 @@
 """The plan returned: the mixed plan only when it is measured within budget and estimated faster than every
-uniform format that is (DESIGN §5; docs/plan.md).
+uniform format that is (docs/plan.md).
 
 The uniform candidates are the all-format passes the audit already ran: a format is one when its pass is within
 budget at both reduction orders (capture/noise.py) and no module's values overflow it (rules.refusal). FP32 is

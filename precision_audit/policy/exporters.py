@@ -1,4 +1,5 @@
-"""Export a policy to the settings other training stacks read (DESIGN §6).
+"""Export a policy to the settings other training stacks read (docs/policy.md, "Exporting to other
+stacks").
 
 ``precision-audit export policy.json --to deepspeed|lightning|accelerate|fsdp [--out FILE]``
 
@@ -36,8 +37,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import OptionError
 from .schema import Policy
@@ -145,7 +146,8 @@ def _deepspeed(policy: Policy, policy_path: str) -> Export:
         notes.append("DeepSpeed's fp16/bf16 blocks have no per-module formats; these modules cannot be kept in "
                      f"their policy format: {_listing(plan.overrides)}. To keep them, use DeepSpeed's "
                      "\"torch_autocast\" section instead (fp32 weights, forward under torch.autocast) and apply "
-                     "the policy to engine.module with precision_audit's runtime (policy.apply)")
+                     "the policy to engine.module with precision_audit's runtime "
+                     "(precision_audit.apply_policy(engine.module, policy))")
     if any(plan.tf32):
         notes.append(f"TF32 is not a DeepSpeed setting: in the training script set "
                      f"torch.backends.cuda.matmul.allow_tf32 = {plan.tf32[0]} and "
@@ -214,7 +216,7 @@ def _apply_function(plan: _Plan, when: str) -> list[str]:
             "    Puts each module the policy overrides (listed above) in its format inside the whole-model",
             "    autocast (and checks the model's fingerprint). Keep the returned handle; handle.remove() undoes it.",
             '    """',
-            "    return POLICY.apply(model)"]
+            "    return apply_policy(model, POLICY)"]
 
 
 def _runtime_notes(plan: _Plan, target: str) -> list[str]:
@@ -235,7 +237,7 @@ def _lightning(policy: Policy, policy_path: str) -> Export:
     if whole == "tf32":
         notes.append("Lightning has no TF32 precision: 32-true with the TF32 switches set below")
     code = ["import torch", "import lightning as L", "from lightning.pytorch.plugins import MixedPrecision",
-            "from precision_audit import load_policy", "", f"POLICY = load_policy({policy_path!r})", ""]
+            "from precision_audit import apply_policy, load_policy", "", f"POLICY = load_policy({policy_path!r})", ""]
     code += _tf32_lines(plan, "Lightning") + [""]
     if whole == "fp16":
         code += ["# The whole step's precision (the policy's default format) with the policy's loss scaling:",
@@ -263,7 +265,7 @@ def _accelerate(policy: Policy, policy_path: str) -> Export:
     if whole == "tf32":
         notes.append("Accelerate has no TF32 mixed_precision: \"no\" with the TF32 switches set below")
     code = ["import torch", "from accelerate import Accelerator", "from accelerate.utils import GradScalerKwargs",
-            "from precision_audit import load_policy", "", f"POLICY = load_policy({policy_path!r})", ""]
+            "from precision_audit import apply_policy, load_policy", "", f"POLICY = load_policy({policy_path!r})", ""]
     code += _tf32_lines(plan, "Accelerate") + [""]
     code += ["# The whole model's precision (the policy's default format)"
              + (" with the policy's loss scaling:" if whole == "fp16" else ":"),
@@ -278,23 +280,64 @@ def _accelerate(policy: Policy, policy_path: str) -> Export:
     return Export("accelerate", text, ".py", tuple(notes))
 
 
-def _fsdp(policy: Policy, policy_path: str) -> Export:
-    plan = _plan(policy)
-    whole = _whole(plan)
-    ls = policy.loss_scaling
+# The FSDP helpers the generated file defines: fixed code (nothing from the policy) that reads MODULE_FORMATS.
+_FSDP_HELPERS = (
+    "def _cast_output(dtype):",
+    "    def hook(module, args, output):",
+    "        if isinstance(output, torch.Tensor) and output.is_floating_point():",
+    "            return output.to(dtype)",
+    "        return output",
+    "    return hook",
+    "",
+    "",
+    "def wrap_fsdp1(model: torch.nn.Module, **fsdp_kwargs) -> FSDP:",
+    '    """FSDP1: wrap each MODULE_FORMATS module (innermost first) with its own MixedPrecision, then the',
+    '    model with `mixed_precision`."""',
+    "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
+    "        dtype, output_dtype = MODULE_FORMATS[name]",
+    "        parent_name, _, child = name.rpartition(\".\")",
+    "        parent = model.get_submodule(parent_name)",
+    "        unit = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32,",
+    "                              cast_forward_inputs=True)",
+    "        wrapped = FSDP(getattr(parent, child), mixed_precision=unit, **fsdp_kwargs)",
+    "        wrapped.register_forward_hook(_cast_output(output_dtype))",
+    "        setattr(parent, child, wrapped)",
+    "    return FSDP(model, mixed_precision=mixed_precision, **fsdp_kwargs)",
+    "",
+    "",
+    "def shard_fsdp2(model: torch.nn.Module, **fully_shard_kwargs) -> torch.nn.Module:",
+    '    """FSDP2: fully_shard each MODULE_FORMATS module (innermost first) with its own policy, then the',
+    '    model with `mp_policy`."""',
+    "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
+    "        dtype, output_dtype = MODULE_FORMATS[name]",
+    "        unit = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,",
+    "                                    output_dtype=output_dtype, cast_forward_inputs=True)",
+    "        fully_shard(model.get_submodule(name), mp_policy=unit, **fully_shard_kwargs)",
+    "    fully_shard(model, mp_policy=mp_policy, **fully_shard_kwargs)",
+    "    return model",
+)
+
+
+def _fsdp_notes(policy: Policy, plan: _Plan) -> list[str]:
     notes = _common_notes(policy, plan)
     notes.append("FSDP's param_dtype casts the parameters, so every op runs in that dtype (torch.autocast, "
                  "which the policy was measured with, keeps softmax, norms and losses in fp32). The exact "
-                 "equivalent: FSDP without param_dtype plus precision_audit's runtime (policy.apply(model), "
-                 "policy.autocast(), and ShardedGradScaler for fp16), at fp32 parameter memory and traffic")
+                 "equivalent: FSDP without param_dtype plus precision_audit's runtime (apply_policy(model, policy), "
+                 "autocast(policy), and ShardedGradScaler for fp16), at fp32 parameter memory and traffic")
     tf32_mods = [n for n, f, _ in plan.overrides if f == "tf32"]
     if tf32_mods:
         notes.append(f"TF32 is a global switch, not an FSDP setting: these tf32 modules run in fp32: "
                      f"{', '.join(map(repr, tf32_mods))}")
-    if whole == "bf16" and ls.enabled:
+    if _whole(plan) == "bf16" and policy.loss_scaling.enabled:
         notes.append("the policy enables loss scaling (for its fp16 modules): use the ShardedGradScaler below")
+    return notes
+
+
+def _fsdp(policy: Policy, policy_path: str) -> Export:
+    plan = _plan(policy)
+    whole = _whole(plan)
+    notes = _fsdp_notes(policy, plan)
     module_formats = [(n, f) for n, f, _ in plan.overrides if f not in _FP8]
-    low = whole in ("bf16", "fp16")
     whole_dtype = _TORCH_DTYPE[whole]
     code = ["import torch",
             "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
@@ -303,7 +346,7 @@ def _fsdp(policy: Policy, policy_path: str) -> Export:
     code += _tf32_lines(plan, "FSDP") + [""]
     code += ["# The whole model: parameters in the policy's default format; gradients reduced and buffers kept in",
              "# fp32 (as under autocast, whose gradients and buffers are fp32)."]
-    if low:
+    if whole in ("bf16", "fp16"):
         code += [f"mixed_precision = MixedPrecision(param_dtype={whole_dtype}, reduce_dtype=torch.float32, "
                  "buffer_dtype=torch.float32)",
                  f"mp_policy = MixedPrecisionPolicy(param_dtype={whole_dtype}, reduce_dtype=torch.float32)"]
@@ -317,45 +360,9 @@ def _fsdp(policy: Policy, policy_path: str) -> Export:
         parent = policy.effective_format(n.rpartition(".")[0]) if "." in n else plan.whole
         parent = "bf16" if parent in _FP8 else parent
         code.append(f"    {n!r}: ({_TORCH_DTYPE[f]}, {_TORCH_DTYPE[parent]}),  # {f}")
-    code += ["}", "",
-             "",
-             "def _cast_output(dtype):",
-             "    def hook(module, args, output):",
-             "        if isinstance(output, torch.Tensor) and output.is_floating_point():",
-             "            return output.to(dtype)",
-             "        return output",
-             "    return hook",
-             "",
-             "",
-             "def wrap_fsdp1(model: torch.nn.Module, **fsdp_kwargs) -> FSDP:",
-             '    """FSDP1: wrap each MODULE_FORMATS module (innermost first) with its own MixedPrecision, then the',
-             '    model with `mixed_precision`."""',
-             "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
-             "        dtype, output_dtype = MODULE_FORMATS[name]",
-             "        parent_name, _, child = name.rpartition(\".\")",
-             "        parent = model.get_submodule(parent_name)",
-             "        unit = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32,",
-             "                              cast_forward_inputs=True)",
-             "        wrapped = FSDP(getattr(parent, child), mixed_precision=unit, **fsdp_kwargs)",
-             "        wrapped.register_forward_hook(_cast_output(output_dtype))",
-             "        setattr(parent, child, wrapped)",
-             "    return FSDP(model, mixed_precision=mixed_precision, **fsdp_kwargs)",
-             "",
-             "",
-             "def shard_fsdp2(model: torch.nn.Module, **fully_shard_kwargs) -> torch.nn.Module:",
-             '    """FSDP2: fully_shard each MODULE_FORMATS module (innermost first) with its own policy, then the',
-             '    model with `mp_policy`."""',
-             "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
-             "        dtype, output_dtype = MODULE_FORMATS[name]",
-             "        unit = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,",
-             "                                    output_dtype=output_dtype, cast_forward_inputs=True)",
-             "        fully_shard(model.get_submodule(name), mp_policy=unit, **fully_shard_kwargs)",
-             "    fully_shard(model, mp_policy=mp_policy, **fully_shard_kwargs)",
-             "    return model",
-             "",
-             ""]
+    code += ["}", "", "", *_FSDP_HELPERS, "", ""]
     uses_fp16 = whole == "fp16" or any(f == "fp16" for _, f in module_formats)
-    if uses_fp16 or ls.enabled:
+    if uses_fp16 or policy.loss_scaling.enabled:
         code += ["# Loss scaling for fp16, as the policy says (FSDP1; with FSDP2 use torch.amp.GradScaler likewise):",
                  f'scaler = ShardedGradScaler("cuda", {_scaler_args(policy)})']
     else:

@@ -61,7 +61,7 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     Example::
 
         policy = load_policy("audit/policy.json")
-        handle = policy.apply(model)
+        handle = precision_audit.apply_policy(model, policy)
     """
     p = Path(path)
     if p.is_dir():

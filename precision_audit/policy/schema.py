@@ -1,8 +1,8 @@
-"""policy.json: a versioned, validated per-module precision plan (DESIGN §5, §7).
+"""policy.json: a versioned, validated per-module precision plan (docs/policy.md).
 
-This module imports nothing from the audit machinery, so the training-time runtime can depend on it alone.
-The runtime methods (:meth:`Policy.apply`, :meth:`Policy.autocast`, :meth:`Policy.grad_scaler`,
-:meth:`Policy.controller`) import :mod:`precision_audit.runtime` when first called.
+This module imports nothing from the audit machinery nor from the runtime: the record is data. The runtime
+(:mod:`precision_audit.runtime`) imports it, never the other way round (docs/architecture.md); applying a
+policy is ``precision_audit.apply_policy(model, policy)`` and its siblings (docs/policy.md, "The runtime").
 
 Example::
 
@@ -22,24 +22,27 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import PolicyError
 from ..formats import ALL_FORMATS, AUTOCAST_FORMATS, names
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from ..runtime.apply import PolicyAutocast, PolicyHandle
-    from ..runtime.controller import PrecisionController
-
 POLICY_SCHEMA_ID = "precision-audit/policy"
 #: The newest policy version this code writes and reads. Versions 1..POLICY_VERSION load (docs/policy.md).
 POLICY_VERSION = 1
 SUPPORTED_VERSIONS = tuple(range(1, POLICY_VERSION + 1))
 POLICY_FORMATS = names(ALL_FORMATS)
-#: The formats :meth:`Policy.apply` can put a module in (autocast has no fp8).
+#: The formats :func:`precision_audit.apply_policy` can put a module in (autocast has no fp8).
 RUNTIME_FORMATS = names(AUTOCAST_FORMATS)
+#: The runtime methods the record had before it became data only, and what replaced each of them.
+_MOVED_TO_RUNTIME = {
+    "apply": "precision_audit.apply_policy(model, policy, device_type=None, strict=True)",
+    "autocast": "precision_audit.autocast(policy, device_type='cuda', enabled=True)",
+    "grad_scaler": "precision_audit.grad_scaler(policy, device='cuda')",
+    "controller": "precision_audit.controller(model, optimizer, policy, ...)",
+}
 
 # The top-level keys version 1 defines; any other key is kept as-is in ``Policy.extra`` and written back.
 _KNOWN_KEYS = ("schema", "version", "tool", "model", "target", "default_format", "modules", "loss_scaling", "tf32")
@@ -271,10 +274,12 @@ class Policy:
 
     Example::
 
-        policy = load_policy("audit/policy.json")
-        handle = policy.apply(model)                  # refuses a model it was not made for
-        controller = policy.controller(model, optimizer)
-        with policy.autocast():
+        import precision_audit as pa
+        policy = pa.load_policy("audit/policy.json")
+        policy.effective_format("lm_head")            # "fp32"
+        handle = pa.apply_policy(model, policy)       # refuses a model it was not made for
+        controller = pa.controller(model, optimizer, policy)
+        with pa.autocast(policy):
             loss = loss_fn(model(x), y)
         controller.step(loss)
         handle.remove()                               # the model is as before
@@ -339,7 +344,7 @@ class Policy:
                 return self.default_format
             name = name.rpartition(".")[0]
 
-    def with_override(self, module_name: str, format: str, reason: str) -> "Policy":
+    def with_override(self, module_name: str, format: str, reason: str) -> Policy:
         """A copy with ``module_name`` set to ``format`` (the original is unchanged)."""
         return dataclasses.replace(self, modules={**self.modules, module_name: ModuleOverride(format, reason)})
 
@@ -362,7 +367,7 @@ class Policy:
             return
         root = unwrap_model(model)
         hint = ("apply the policy to the model it was audited with, or re-run precision-audit on this model "
-                "(Policy.apply(model, strict=False) skips this check)")
+                "(apply_policy(model, policy, strict=False) skips this check)")
         if self.model_layout is None:
             raise PolicyError(
                 "this policy was made for another model: the fingerprints differ (the policy has no "
@@ -397,53 +402,15 @@ class Policy:
                               expected="names from model.named_modules()",
                               hint="fix the names, or re-run precision-audit on this model")
 
-    # -- runtime (imported lazily: a policy can be loaded and checked without it) ---------------------------
+    # -- the runtime is not here ----------------------------------------------------------------------------
 
-    def apply(self, model: torch.nn.Module, *, device_type: str | None = None, strict: bool = True) -> "PolicyHandle":
-        """Put every overridden module in its format; returns a handle whose ``.remove()`` undoes it.
-
-        Checks the model first (:meth:`check_model`; ``strict=False`` only logs a fingerprint mismatch).
-        See :func:`precision_audit.runtime.apply_policy`.
-        """
-        from ..runtime.apply import apply_policy
-
-        return apply_policy(self, model, device_type=device_type, strict=strict)
-
-    def autocast(self, device_type: str = "cuda", *, enabled: bool = True) -> "PolicyAutocast":
-        """The context for the forward pass: autocast in the default format (disabled for fp32/tf32), with
-        the policy's TF32 switches set inside and restored after."""
-        from ..runtime.apply import PolicyAutocast
-
-        return PolicyAutocast(self, device_type, enabled=enabled)
-
-    def grad_scaler(self, device: str = "cuda") -> torch.amp.GradScaler:
-        """A ``torch.amp.GradScaler`` configured from ``loss_scaling`` (disabled when it is not enabled)."""
-        from ..runtime.apply import make_grad_scaler
-
-        return make_grad_scaler(self, device)
-
-    def controller(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, adaptive: bool = False,
-                   promote_after: int = 3, device: str | torch.device | None = None,
-                   max_grad_norm: float | None = None, process_group: Any = None, strict: bool = True,
-                   monitor: Any = None, spike_window: int = 50, spike_factor: float = 3.0,
-                   attribute: bool = True) -> "PrecisionController":
-        """A :class:`~precision_audit.runtime.PrecisionController` whose ``step(loss)`` does the scaled backward,
-        unscale, non-finite check, optimizer step and scaler update, and feeds the stability monitor.
-
-        ``adaptive=True`` promotes a module to fp32 when it starts non-finite values for ``promote_after``
-        consecutive steps. Example::
-
-            controller = policy.controller(model, optimizer, adaptive=True)
-            with policy.autocast("cuda"):
-                loss = loss_fn(model(x), y)
-            controller.step(loss)
-        """
-        from ..runtime.controller import PrecisionController
-
-        return PrecisionController(self, model, optimizer, adaptive=adaptive, promote_after=promote_after,
-                                   device=device, max_grad_norm=max_grad_norm, process_group=process_group,
-                                   strict=strict, monitor=monitor, spike_window=spike_window,
-                                   spike_factor=spike_factor, attribute=attribute)
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the record does not have. The runtime used to hang off the record as methods
+        # (which made policy/ and runtime/ import each other); a caller of the old spelling is told the new one.
+        if name in _MOVED_TO_RUNTIME:
+            raise AttributeError(f"Policy.{name}() is no longer a method (the policy record is data only): use "
+                                 f"{_MOVED_TO_RUNTIME[name]} (docs/policy.md, \"The runtime\")")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- JSON ------------------------------------------------------------------------------------------------
 
@@ -472,7 +439,7 @@ class Policy:
         return doc
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Policy":
+    def from_dict(cls, d: Any) -> Policy:
         """Validate and load; a malformed policy raises :class:`PolicyError` naming the field.
 
         Never raises anything else for JSON-like input (dicts, lists, strings, numbers, bools, None).

@@ -5,7 +5,7 @@ The report computes nothing: it picks numbers out of audit.json, formats them fo
 ``precision-audit report audit.json`` re-renders the same page byte for byte; the one thing that differs is
 the generation timestamp in ``<time id="generated">``.
 
-Fields beyond DESIGN §7's minimum (per layer ``alignment`` and ``cost``; ``summary.<format>.step_time.
+Fields a reader of audit.json cannot count on (per layer ``alignment`` and ``cost``; ``summary.<format>.step_time.
 estimated_s``; top-level ``estimates``, ``memory``, ``traces`` and ``verify``; the planner's fields in ``plan``)
 are shown when present and otherwise replaced by the matching ``*_note`` ("not measured: <why>"); the
 shapes read are listed in docs/report.md.

@@ -1,4 +1,4 @@
-"""JSON Schemas of the public outputs, shipped in ``precision_audit/schemas/`` (DESIGN §7).
+"""JSON Schemas of the public outputs, shipped in ``precision_audit/schemas/`` (README.md, "Outputs"; docs/policy.md).
 
 Example::
 

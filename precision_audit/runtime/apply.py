@@ -17,7 +17,7 @@ survives ``copy.deepcopy`` (the copy's wrapper points at the copy).
   low-precision formats would otherwise be served from the cache in the wrong dtype.
 
 A module without an override runs in whatever its parent runs in: the default format under
-:meth:`Policy.autocast <precision_audit.policy.Policy.autocast>`, or an overridden parent's.
+:func:`precision_audit.autocast`, or an overridden parent's.
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def _policy_forward(module: torch.nn.Module, state: _ModuleState, *args: Any, **
 # -- the handle ----------------------------------------------------------------------------------------------
 
 class PolicyHandle:
-    """What :meth:`Policy.apply` returns: ``.remove()`` puts every wrapped forward back exactly as it was.
+    """What :func:`apply_policy` returns: ``.remove()`` puts every wrapped forward back exactly as it was.
 
-    Also a context manager (``with policy.apply(model): ...`` removes on exit). ``modules`` maps each
+    Also a context manager (``with apply_policy(model, policy): ...`` removes on exit). ``modules`` maps each
     wrapped module's name to its format.
     """
 
@@ -232,7 +232,7 @@ def _check_runtime_formats(policy: Policy) -> None:
                           choices=RUNTIME_FORMATS, hint="use torchao.float8 for fp8 modules, or change the policy")
 
 
-def apply_policy(policy: Policy, model: torch.nn.Module, *, device_type: str | None = None,
+def apply_policy(model: torch.nn.Module, policy: Policy, *, device_type: str | None = None,
                  strict: bool = True) -> PolicyHandle:
     """Put every module the policy overrides in its format; returns a :class:`PolicyHandle`.
 
@@ -243,11 +243,16 @@ def apply_policy(policy: Policy, model: torch.nn.Module, *, device_type: str | N
 
     Example::
 
-        handle = policy.apply(model)
-        with policy.autocast("cuda"):
+        import precision_audit as pa
+        handle = pa.apply_policy(model, policy)
+        with pa.autocast(policy, "cuda"):
             loss = loss_fn(model(x), y)
         handle.remove()
     """
+    if isinstance(model, Policy) or not isinstance(policy, Policy):
+        # A programming mistake, not bad input: a TypeError, as Python gives for any wrong argument.
+        raise TypeError("apply_policy takes the model first, then the policy: apply_policy(model, policy); "
+                        f"got apply_policy({type(model).__name__}, {type(policy).__name__})")
     root = unwrap_model(model)
     if strict:
         policy.check_model(model)
@@ -260,7 +265,7 @@ def apply_policy(policy: Policy, model: torch.nn.Module, *, device_type: str | N
     _check_runtime_formats(policy)
     if root in _ACTIVE:
         raise PolicyError("a policy is already applied to this model",
-                          hint="call .remove() on the handle Policy.apply returned before applying another")
+                          hint="call .remove() on the handle apply_policy returned before applying another")
     handle = PolicyHandle(policy, root, device_type)
     handle._install(root)
     _ACTIVE[root] = handle
@@ -272,7 +277,7 @@ def apply_policy(policy: Policy, model: torch.nn.Module, *, device_type: str | N
 # -- the forward-pass context and the scaler -----------------------------------------------------------------
 
 class PolicyAutocast:
-    """``Policy.autocast(device_type)``: autocast in the default format, TF32 switches set inside.
+    """``precision_audit.autocast(policy, device_type)``: autocast in the default format, TF32 switches set inside.
 
     - default ``bf16`` / ``fp16``: ``torch.autocast(device_type, dtype=...)``;
     - default ``fp32``: autocast disabled; default ``tf32``: autocast disabled and TF32 on;
@@ -284,7 +289,7 @@ class PolicyAutocast:
 
     Example::
 
-        with policy.autocast("cuda"):
+        with precision_audit.autocast(policy, "cuda"):
             loss = loss_fn(model(x), y)
     """
 
@@ -293,7 +298,7 @@ class PolicyAutocast:
             raise PolicyError(f"the runtime cannot run the default format {policy.default_format!r} "
                               "(autocast has no fp8)", choices=RUNTIME_FORMATS)
         if not isinstance(device_type, str):
-            raise PolicyError("Policy.autocast(device_type) takes a device type such as 'cuda' or 'cpu'",
+            raise PolicyError("autocast(policy, device_type) takes a device type such as 'cuda' or 'cpu'",
                               found=repr(device_type))
         self.device_type = device_type
         self.dtype = LOW_PRECISION_DTYPES.get(policy.default_format)

@@ -14,7 +14,7 @@
 
 Without faults the GradScaler's state is step for step the one of the plain loop (tests/test_runtime.py).
 
-**No non-finite update, in any format** (DESIGN §7, docs/policy.md). With a GradScaler, a non-finite gradient
+**No non-finite update, in any format** (docs/policy.md, "The runtime"). With a GradScaler, a non-finite gradient
 makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients
 the GradScaler does not see: optimizer parameters it was not given). Without one (bf16, fp32, fp16 with loss
 scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm is only the gate: a
@@ -63,7 +63,7 @@ import torch
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import LOW_PRECISION_DTYPES, _ACTIVE, apply_policy
+from .apply import LOW_PRECISION_DTYPES, _ACTIVE, apply_policy, make_grad_scaler
 from .monitor import StabilityMonitor, StepRecord
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def _kind(values: list[float]) -> str:
 
 @dataclass(frozen=True)
 class Attribution:
-    """Where a step's non-finite gradients started, decided before the optimizer step (DESIGN §7, docs/policy.md).
+    """Where a step's non-finite gradients started, decided before the optimizer step (docs/policy.md).
 
     ``source``: the first module, in the order the forward calls finished, whose floating output was non-finite
     although its floating inputs were finite, or None; ``detail``: what was seen there (quoted in logs and
@@ -282,11 +282,11 @@ class PrecisionController:
 
     Example::
 
-        policy = load_policy("audit/policy.json")
-        handle = policy.apply(model)
-        controller = policy.controller(model, optimizer, adaptive=True)
+        policy = pa.load_policy("audit/policy.json")
+        handle = pa.apply_policy(model, policy)
+        controller = pa.controller(model, optimizer, policy, adaptive=True)
         for x, y in loader:
-            with policy.autocast("cuda"):
+            with pa.autocast(policy, "cuda"):
                 loss = loss_fn(model(x), y)
             controller.step(loss)
         print(controller.monitor.summary())
@@ -353,7 +353,7 @@ class PrecisionController:
         if device is None:
             device = self._params[0].device.type if self._params else "cpu"
         self.device_type = torch.device(device).type if not isinstance(device, str) else device.split(":")[0]
-        self.scaler = policy.grad_scaler(self.device_type)
+        self.scaler = make_grad_scaler(policy, self.device_type)
         self._step = 0
         self._skipped = 0
         self._streaks: dict[str, list[int]] = {}
@@ -452,7 +452,7 @@ class PrecisionController:
                     # skip and back off as it does for its own finds
                     for v in found_infs:
                         v.fill_(1.0)
-            # The update: never with a non-finite gradient, whatever the format (DESIGN §7). A disabled scaler's
+            # The update: never with a non-finite gradient, whatever the format (docs/policy.md). A disabled scaler's
             # step() is a plain optimizer.step(), so a skipped step does not call it at all.
             if not skip or scaler.is_enabled():
                 scaler.step(opt)
@@ -583,6 +583,6 @@ class PrecisionController:
         if handle is not None:
             handle._reapply(policy)
         else:
-            self._own_handle = apply_policy(policy, self.model, strict=False)
+            self._own_handle = apply_policy(self.model, policy, strict=False)
             log.info("adaptive precision: the policy was not applied to the model; the controller applied its "
                      "updated copy (controller.close() removes it)")

@@ -21,7 +21,8 @@ def _gpt(tmp_path, n_layer, d_model, vocab, batch, seq):
     f = tmp_path / f"gpt_{n_layer}_{d_model}.py"
     f.write_text(textwrap.dedent(f"""
         import importlib.util, torch
-        spec = importlib.util.spec_from_file_location("tiny_gpt_base", {str(ROOT / 'sample_models/tiny_gpt/model.py')!r})
+        spec = importlib.util.spec_from_file_location("tiny_gpt_base",
+                                                      {str(ROOT / 'sample_models/tiny_gpt/model.py')!r})
         base = importlib.util.module_from_spec(spec); spec.loader.exec_module(base)
         def build_model():
             return base.build_model(n_layer={n_layer}, d_model={d_model}, vocab_size={vocab}, block_size={seq},
