@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .record import AuditRecord
+    from ..record import AuditRecord
 
 
 
