@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..formats import Format
-from .emulation import is_missing_low_precision_kernel
+from .gemm_mode import is_missing_low_precision_kernel
 from .failures import RunFailure
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .stats import ErrorStats

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
-from .emulation import is_missing_low_precision_kernel, rounding_registry_paused
+from .emulation import rounding_registry_paused
+from .gemm_mode import is_missing_low_precision_kernel
 from .failures import RunFailure
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .stats import ErrorStats, MagnitudeHistogram
