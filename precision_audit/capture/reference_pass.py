@@ -194,8 +194,9 @@ class ReferencePass:
                     fs.local.update(y, p)
                 if any(y.requires_grad for y in ys):
                     # zero where FP32 itself is not finite: FP32's own inf/NaN is no format's loss impact
-                    diffs[fmt] = [torch.where(torch.isfinite(y.detach()), p.detach().float() - y.detach(), 0.0)
-                                  .to(torch.bfloat16) for y, p in zip(ys, ps)]
+                    diffs[fmt] = [self._refs.stash(torch.where(torch.isfinite(y.detach()),
+                                                               p.detach().float() - y.detach(), 0.0)
+                                                   .to(torch.bfloat16)) for y, p in zip(ys, ps)]
         finally:
             self._set_rng_state(now)
             self._rerunning = False
@@ -228,7 +229,7 @@ class ReferencePass:
             else:
                 rec.grad_output_own.setdefault(own[0], MagnitudeHistogram()).merge(h)
         for f, d in (diffs or {}).items():
-            impact = float((g.detach().double() * d.double()).sum())
+            impact = float((g.detach().double() * self._refs.on(d, g).double()).sum())
             fs = rec.formats[f]
             fs.loss_impact += impact
             fs.loss_impact_abs += abs(impact)

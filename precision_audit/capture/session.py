@@ -45,6 +45,7 @@ from .model_state import ModelState
 from .op_tracker import OpTracker
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import ReferencePass, snapshot_state
+from .reference_store import ReferenceStore
 from .rng_replay import RandomDraws, recording, replaying
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
@@ -135,6 +136,8 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._call_index: dict[int, int] = {}
         self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
         self._clone_cache: dict[int, tuple[int, torch.Tensor]] = {}
+        # the reference's kept tensors: on the host when the audit runs on a GPU (capture/reference_store.py)
+        self._refs = ReferenceStore(config.device)
         self._stat_cache: dict[tuple, tuple[torch.Tensor, Any]] = {}  # per pass; holds the tensors it keys
         self._loss_scale = 1.0
         # reference pass: which module produced each output tensor (by identity and version), and the loss
@@ -306,13 +309,15 @@ class CaptureSession(ReferencePass, FormatPasses):
     def _tensor_key(t: torch.Tensor) -> tuple:
         return (id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype)
 
-    def _cached(self, kind: str, tensors: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
-        """``make()``'s statistics object for these tensors, computed once per pass."""
+    def _cached(self, kind: str, tensors: tuple[torch.Tensor, ...], make: Callable[[], Any],
+                operands: Callable[[], tuple[torch.Tensor, ...]] | None = None) -> Any:
+        """``make()``'s statistics object for these tensors, computed once per pass (from ``operands()`` when
+        given: the same values, where the statistic reads them)."""
         key = (kind, *(self._tensor_key(t) for t in tensors))
         hit = self._stat_cache.get(key)
         if hit is None or hit[0] is not tensors[-1]:
             stats = make()
-            stats.update(*tensors)
+            stats.update(*(operands() if operands is not None else tensors))
             hit = self._stat_cache[key] = (tensors[-1], stats)
         return hit[1]
 
@@ -323,13 +328,14 @@ class CaptureSession(ReferencePass, FormatPasses):
         return self._cached("sum", (t,), RangeSummary)
 
     def _error_of(self, r: torch.Tensor, y: torch.Tensor) -> ErrorStats:
-        return self._cached("err", (r, y), ErrorStats)
+        # r, the reference's output, may be on the host (capture/reference_store.py): compared on y's device
+        return self._cached("err", (r, y), ErrorStats, lambda: (self._refs.on(r, y), y))
 
     def _clone_ref(self, t: torch.Tensor) -> torch.Tensor:
         hit = self._clone_cache.get(id(t))
         if hit is not None and hit[0] == t._version and hit[1].shape == t.shape:
             return hit[1]
-        c = t.detach().clone()
+        c = self._refs.keep(t)
         self._clone_cache[id(t)] = (t._version, c)
         return c
 
