@@ -7,8 +7,8 @@ Two pieces, used together:
   softmax, sum, exp, ... go to fp32; mv/addmv/addr/einsum go to the low-precision dtype; CPU-only policies
   are removed). The registrations live in a ``torch.library.Library`` that is destroyed on exit, which
   restores torch's own CPU kernels.
-- :class:`LowPrecisionGemmMode` (capture/gemm_mode.py), a ``TorchDispatchMode`` below autograd: GEMM-family ops (mm, addmm, bmm,
-  convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16 are computed
+- :class:`LowPrecisionGemmMode` (capture/gemm_mode.py), a ``TorchDispatchMode`` below autograd: GEMM-family
+  ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16 are computed
   in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
   accumulation, rounded output) and ~100x faster than CPU-native low-precision GEMMs. Other ops run
   natively in their real dtype, so elementwise rounding is exact; an op with no Half/BFloat16 CPU kernel
