@@ -179,53 +179,16 @@ def rank_alignment(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[st
     fmt = _rank_format(layers, step_time_s)
     step = step_time_s.get(fmt) if fmt else None
     groups: dict[tuple, dict[str, Any]] = {}
-    batch_sizes: dict[int, dict[str, Any]] = {}
-    batch_ops = 0
-    batch_modules: set[str] = set()
-    batch_lost = 0.0
+    by_batch = _BatchDims()
     for name, records in layers.items():
         for op in records or []:
             dims = [d for d in op.get("dims") or [] if d.get("format") in (fmt, "any")]
             lost = (op.get("estimated_time_lost_s") or {}).get(fmt, 0.0) or 0.0
             model_bad = [d for d in dims if not d.get("set_by_batch") and d.get("aligned") is False]
-            batch_bad = [d for d in dims if d.get("set_by_batch") and d.get("aligned") is False]
-            if batch_bad:
-                batch_ops += 1
-                batch_modules.add(name)
-                batch_lost += (op.get("estimated_batch_time_lost_s") or {}).get(fmt, 0.0) or 0.0
-                for d in batch_bad:
-                    e = batch_sizes.setdefault(d["size"], {"size": d["size"], "suggested_size": d["suggested_size"],
-                                                           "efficient_size": d.get("efficient_size"),
-                                                           "dims": [], "gemms": 0})
-                    e["gemms"] += 1
-                    if d["dim"] not in e["dims"]:
-                        e["dims"].append(d["dim"])
+            by_batch.add(name, op, [d for d in dims if d.get("set_by_batch") and d.get("aligned") is False], fmt)
             for d in dims:
-                if d.get("set_by_batch"):
-                    continue
-                share_of_op = lost / len(model_bad) if d in model_bad else 0.0
-                key = (op.get("kind"), d["dim"], d["size"], d.get("suggested_size"))
-                gr = groups.get(key)
-                if gr is None:
-                    gr = groups[key] = {
-                        "dim": d["dim"], "name": d.get("name"), "size": d["size"],
-                        "suggested_size": d.get("suggested_size"), "efficient_size": d.get("efficient_size"),
-                        "required_multiple": d.get("required_multiple"),
-                        "aligned": d.get("aligned"), "kind": op.get("kind"), "op": op.get("op"),
-                        "gemm": op.get("gemm"), "modules": [], "ops": 0, "calls": 0,
-                        "estimated_time_lost_s": 0.0, "advice": op.get("vocabulary_advice"),
-                        "tied_to": [], "measured": op.get("measured"), "cost": d.get("cost"),
-                    }
-                if name not in gr["modules"]:
-                    gr["modules"].append(name)
-                gr["ops"] += 1
-                gr["calls"] += op.get("calls") or 0
-                gr["estimated_time_lost_s"] += share_of_op
-                gr["advice"] = gr["advice"] or op.get("vocabulary_advice")
-                gr["measured"] = gr["measured"] or op.get("measured")
-                for t in (op.get("tied_to") or []) if d["dim"] == "N" else []:  # a tied head's vocabulary
-                    if t not in gr["tied_to"]:
-                        gr["tied_to"].append(t)
+                if not d.get("set_by_batch"):
+                    _add_to_group(groups, name, op, d, lost / len(model_bad) if d in model_bad else 0.0)
 
     def matters(gr: dict[str, Any]) -> bool:
         lost = gr["estimated_time_lost_s"]
@@ -241,9 +204,47 @@ def rank_alignment(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[st
     for i, gr in enumerate(listed, 1):
         gr["rank"] = i
         gr["text"] = _finding_text(gr, fmt)
+    return {
+        "ranked_by": (f"estimated time lost per training step on {target_name} in {fmt} (cost model: an estimate; "
+                      "a misaligned GEMM is taken as 2x slower, a heuristic)") if fmt else None,
+        "format": fmt, "step_time_s": step,
+        "threshold": {"min_time_lost_s": MIN_TIME_LOST_S, "min_step_share": MIN_STEP_SHARE},
+        "findings": listed, "batch_note": by_batch.note(step, batch), "collapsed": _collapsed(small, target_name),
+    }
+
+
+def _add_to_group(groups: dict[tuple, dict[str, Any]], name: str, op: dict[str, Any], d: dict[str, Any],
+                  share_of_op: float) -> None:
+    """Count one model dimension of one GEMM record into its finding (kind, dimension, size, suggested size)."""
+    key = (op.get("kind"), d["dim"], d["size"], d.get("suggested_size"))
+    gr = groups.get(key)
+    if gr is None:
+        gr = groups[key] = {
+            "dim": d["dim"], "name": d.get("name"), "size": d["size"],
+            "suggested_size": d.get("suggested_size"), "efficient_size": d.get("efficient_size"),
+            "required_multiple": d.get("required_multiple"),
+            "aligned": d.get("aligned"), "kind": op.get("kind"), "op": op.get("op"),
+            "gemm": op.get("gemm"), "modules": [], "ops": 0, "calls": 0,
+            "estimated_time_lost_s": 0.0, "advice": op.get("vocabulary_advice"),
+            "tied_to": [], "measured": op.get("measured"), "cost": d.get("cost"),
+        }
+    if name not in gr["modules"]:
+        gr["modules"].append(name)
+    gr["ops"] += 1
+    gr["calls"] += op.get("calls") or 0
+    gr["estimated_time_lost_s"] += share_of_op
+    gr["advice"] = gr["advice"] or op.get("vocabulary_advice")
+    gr["measured"] = gr["measured"] or op.get("measured")
+    for t in (op.get("tied_to") or []) if d["dim"] == "N" else []:  # a tied head's vocabulary
+        if t not in gr["tied_to"]:
+            gr["tied_to"].append(t)
+
+
+def _collapsed(small: list[dict[str, Any]], target_name: str) -> dict[str, Any]:
+    """The findings too small to list, as one count."""
     collapsed_lost = sum(g["estimated_time_lost_s"] for g in small)
     n_mis = sum(1 for g in small if g["aligned"] is False)
-    collapsed = {
+    return {
         "count": len(small), "misaligned": n_mis, "below_efficient_tier": len(small) - n_mis,
         "modules": len({m for g in small for m in g["modules"]}),
         "estimated_time_lost_s": collapsed_lost,
@@ -252,29 +253,48 @@ def rank_alignment(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[st
                  f" on {target_name}: {collapsed_lost * 1e6:.3g} µs per step together"
                  + (f" (e.g. {_examples(small)})" if small else "")) if small else None,
     }
-    note = None
-    if batch_sizes:
-        sizes = sorted(batch_sizes.values(), key=lambda e: -e["gemms"])
+
+
+class _BatchDims:
+    """The misaligned dimensions set by the sample batch (rows, sequence length), gathered into one note."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, dict[str, Any]] = {}
+        self.ops = 0
+        self.modules: set[str] = set()
+        self.lost = 0.0
+
+    def add(self, name: str, op: dict[str, Any], batch_bad: list[dict[str, Any]], fmt: str | None) -> None:
+        if not batch_bad:
+            return
+        self.ops += 1
+        self.modules.add(name)
+        self.lost += (op.get("estimated_batch_time_lost_s") or {}).get(fmt, 0.0) or 0.0
+        for d in batch_bad:
+            e = self.sizes.setdefault(d["size"], {"size": d["size"], "suggested_size": d["suggested_size"],
+                                                  "efficient_size": d.get("efficient_size"),
+                                                  "dims": [], "gemms": 0})
+            e["gemms"] += 1
+            if d["dim"] not in e["dims"]:
+                e["dims"].append(d["dim"])
+
+    def note(self, step: float | None, batch: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        if not self.sizes:
+            return None
+        sizes = sorted(self.sizes.values(), key=lambda e: -e["gemms"])
         shapes = ", ".join(f"{b['name']} {b['shape']}" for b in (batch or []) if b.get("shape"))
         pads = ", ".join(f"{e['size']} -> {e['suggested_size']}"
                          + (f" ({e['efficient_size']} on the efficient tier)" if e.get("efficient_size") else "")
                          for e in sizes)
-        note = {
-            "sizes": sizes, "gemms": batch_ops, "modules": len(batch_modules),
-            "estimated_time_lost_s": batch_lost, "step_share": batch_lost / step if step else None,
-            "text": (f"{batch_ops} GEMM(s) in {len(batch_modules)} module(s) have rows (batch x sequence) or a "
+        return {
+            "sizes": sizes, "gemms": self.ops, "modules": len(self.modules),
+            "estimated_time_lost_s": self.lost, "step_share": self.lost / step if step else None,
+            "text": (f"{self.ops} GEMM(s) in {len(self.modules)} module(s) have rows (batch x sequence) or a "
                      f"sequence length off the multiple: {', '.join(str(e['size']) for e in sizes)}. These are set by "
                      f"the sample batch{f' ({shapes})' if shapes else ''}, not by the model: choose a training batch "
                      f"size and sequence length whose product is a multiple of 8 (64 on A100 and later): {pads}; "
-                     f"est. {batch_lost * 1e6:.3g} µs per step at this batch"),
+                     f"est. {self.lost * 1e6:.3g} µs per step at this batch"),
         }
-    return {
-        "ranked_by": (f"estimated time lost per training step on {target_name} in {fmt} (cost model: an estimate; "
-                      "a misaligned GEMM is taken as 2x slower, a heuristic)") if fmt else None,
-        "format": fmt, "step_time_s": step,
-        "threshold": {"min_time_lost_s": MIN_TIME_LOST_S, "min_step_share": MIN_STEP_SHARE},
-        "findings": listed, "batch_note": note, "collapsed": collapsed,
-    }
 
 
 def _examples(small: list[dict[str, Any]], n: int = 3) -> str:

@@ -7,8 +7,8 @@ Two pieces, used together:
   softmax, sum, exp, ... go to fp32; mv/addmv/addr/einsum go to the low-precision dtype; CPU-only policies
   are removed). The registrations live in a ``torch.library.Library`` that is destroyed on exit, which
   restores torch's own CPU kernels.
-- :class:`LowPrecisionGemmMode`, a ``TorchDispatchMode`` below autograd: GEMM-family ops (mm, addmm, bmm,
-  convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16 are computed
+- :class:`LowPrecisionGemmMode` (capture/gemm_mode.py), a ``TorchDispatchMode`` below autograd: GEMM-family
+  ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16 are computed
   in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
   accumulation, rounded output) and ~100x faster than CPU-native low-precision GEMMs. Other ops run
   natively in their real dtype, so elementwise rounding is exact; an op with no Half/BFloat16 CPU kernel
@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from . import compiled, cuda_kernels
 from .autocast_policy import CUDA_POLICY, CastPolicy, check_registrations
+from .gemm_mode import (_CONV_OPS, LOW_DTYPES, LowPrecisionGemmMode, _add_bias, _bound, _flat_tensors,
+                        _without_bias)
 
 log = logging.getLogger(__name__)
 
-LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 KNOWN_GAPS: tuple[str, ...] = (
     "split-K reduced-precision reductions (on by default on CUDA) are not emulated: partial sums are kept in fp32",
@@ -113,72 +113,6 @@ FP32_COMPUTE_OPS = frozenset({
     "scaled_dot_product_attention",
 })
 
-# Convolution ops with a bias argument. CUDA's _convolution runs cuDNN without the bias and then adds it with
-# a separate elementwise kernel (`output.add_(reshape_bias(...))`), so the output is rounded twice; CUDA's own
-# depthwise kernels, and the non-cuDNN paths, add the bias inside the kernel (one rounding).
-_CONV_OPS = frozenset({
-    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input",
-    "convolution", "_convolution", "_convolution.deprecated",
-})
-
-
-def _arg(op: torch._ops.OpOverload, args: list, kwargs: dict, name: str, default: Any = None) -> tuple[int, Any]:
-    """(schema index, value) of a named argument, whether passed by position or keyword."""
-    for i, a in enumerate(op._schema.arguments):
-        if a.name == name:
-            if i < len(args):
-                return i, args[i]
-            if name in kwargs:
-                return i, kwargs[name]
-            return i, a.default_value if a.has_default_value() else default
-    return -1, default
-
-
-def _cudnn_adds_bias(op: torch._ops.OpOverload, name: str, args: list, kwargs: dict) -> bool:
-    """Would CUDA run this convolution through cuDNN, bias added afterwards? (Convolution.cpp select_conv_backend:
-    cuDNN unless disabled, or the conv is depthwise, which CUDA's native depthwise kernels take.)"""
-    _, enabled = _arg(op, args, kwargs, "cudnn_enabled", None)
-    if not (torch.backends.cudnn.enabled if enabled is None else bool(enabled)):
-        return False
-    _, transposed = _arg(op, args, kwargs, "transposed", name.startswith("conv_transpose"))
-    _, groups = _arg(op, args, kwargs, "groups", 1)
-    x, w = args[0], args[1]
-    depthwise = (not transposed and int(groups) > 1 and x.dim() in (3, 4, 5) and x.shape[1] == int(groups)
-                 and w.shape[0] % x.shape[1] == 0)
-    return not depthwise
-
-
-def _linear_adds_bias(x: torch.Tensor, bias: torch.Tensor) -> bool:
-    """Does at::linear (Linear.cpp) fall back to matmul + add for this input? Only when the bias cannot be fused
-    into addmm: input not 2-D and either not contiguous or a bias that is not (squeezable to) 1-D contiguous."""
-    if x.dim() == 2:
-        return False
-    fusable = (bias.dim() == 1 or bias.squeeze().dim() == 1) and bias.is_contiguous()
-    return not (fusable and x.is_contiguous())
-
-
-def _without_bias(op: torch._ops.OpOverload, name: str, args: list, kwargs: dict):
-    """(args, kwargs, bias) with the bias taken out when CUDA adds it in a second rounding, else bias None."""
-    idx, bias = _arg(op, args, kwargs, "bias")
-    if not isinstance(bias, torch.Tensor) or bias.dtype == torch.float64 or args[0].dtype == torch.float64:
-        return args, kwargs, None  # no bias, or fp64 (not autocast's: the op runs as called)
-    if name in _CONV_OPS:
-        if not _cudnn_adds_bias(op, name, args, kwargs):
-            return args, kwargs, None
-    elif name != "linear" or not _linear_adds_bias(args[0], bias):
-        return args, kwargs, None
-    if idx < len(args):
-        args = [*args[:idx], None, *args[idx + 1:]]
-    else:
-        kwargs = {**kwargs, "bias": None}
-    return args, kwargs, bias
-
-
-def _add_bias(out: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, conv: bool) -> torch.Tensor:
-    """The separate bias add, in fp32 from two rounded operands, rounded once more."""
-    if conv:
-        bias = bias.reshape(1, -1, *([1] * (out.dim() - 2)))
-    return (out.float() + bias).to(dtype)
 
 
 def _einsum_sums_first(equation: str, n_operands: int) -> bool:
@@ -295,120 +229,141 @@ def _round_out(x: Any, dtype: torch.dtype) -> Any:
 
 
 def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
+    """The AutocastCPU kernel of one op of CUDA autocast's table: its policy's factory (_KERNEL_FACTORIES)."""
     if policy is CastPolicy.LOWER_PRECISION_FP and name in _MODELLED_OPS:
         return _MODELLED_OPS[name](op, _make_kernel(op, policy, name + "#native"))
     if policy is CastPolicy.LOWER_PRECISION_FP and name in FP32_COMPUTE_OPS:
-        native = _make_kernel(op, policy, name + "#native")
-        separate_bias = name in _CONV_OPS or name == "linear"
+        return _fp32_compute_kernel(op, name, _make_kernel(op, policy, name + "#native"))
+    factory = _KERNEL_FACTORIES.get(policy)
+    if factory is None:
+        raise AssertionError(policy)
+    return factory(op, name)
 
-        def kernel(*args, **kwargs):
-            if name == "einsum" and len(args) > 1 and isinstance(args[1], (list, tuple)) and (
-                    len(args[1]) > 2 or _einsum_sums_first(args[0], len(args[1]))):
-                return native(*args, **kwargs)  # pairwise GEMMs or sums with rounded intermediates
-            dtype = torch.get_autocast_dtype("cpu")
-            args = [_round_up(a, dtype) for a in args]
-            if kwargs:
-                kwargs = {k: _round_up(v, dtype) for k, v in kwargs.items()}
-            bias = None
-            if separate_bias:
-                args, kwargs, bias = _without_bias(op, name, args, kwargs)
+
+def _fp32_compute_kernel(op: torch._ops.OpOverload, name: str, native):
+    """One GEMM-like op on Tensor Cores: fp32 from the rounded inputs, rounded once (bias apart where CUDA adds
+    it in a second rounding)."""
+    separate_bias = name in _CONV_OPS or name == "linear"
+
+    def kernel(*args, **kwargs):
+        if name == "einsum" and len(args) > 1 and isinstance(args[1], (list, tuple)) and (
+                len(args[1]) > 2 or _einsum_sums_first(args[0], len(args[1]))):
+            return native(*args, **kwargs)  # pairwise GEMMs or sums with rounded intermediates
+        dtype = torch.get_autocast_dtype("cpu")
+        args = [_round_up(a, dtype) for a in args]
+        if kwargs:
+            kwargs = {k: _round_up(v, dtype) for k, v in kwargs.items()}
+        bias = None
+        if separate_bias:
+            args, kwargs, bias = _without_bias(op, name, args, kwargs)
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            out = _round_out(op(*args, **kwargs), dtype)
+            if bias is not None:
+                out = _add_bias(out, bias, dtype, conv=name != "linear")
+            return out
+    return kernel
+
+
+def _lower_precision_kernel(op: torch._ops.OpOverload, name: str):
+    # Multi-GEMM chains and elementwise composites (CUDA runs the same composite code): native low
+    # precision, with their inner GEMMs emulated.
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu")
+        args, kwargs = _cast_tree(args, dtype), {k: _cast_tree(v, dtype) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU), LowPrecisionGemmMode():
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _fp32_kernel(op: torch._ops.OpOverload, name: str):
+    def kernel(*args, **kwargs):
+        args, kwargs = _cast_tree(args, torch.float32), {k: _cast_tree(v, torch.float32) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _fp32_set_opt_dtype_kernel(op: torch._ops.OpOverload, name: str):
+    idx, kw_only = _dtype_arg(op)
+
+    def kernel(*args, **kwargs):
+        if args and _eligible(args[0]) and idx is not None:
+            if kw_only or len(args) <= idx:
+                if kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            elif args[idx] is None:
+                args = (*args[:idx], torch.float32, *args[idx + 1:])
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _fp32_append_dtype_kernel(op: torch._ops.OpOverload, name: str):
+    # norm.Scalar -> norm.ScalarOpt_dtype; norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype (autocast_mode.cpp).
+    target = {"norm.Scalar": torch.ops.aten.norm.ScalarOpt_dtype,
+              "norm.ScalarOpt_dim": torch.ops.aten.norm.ScalarOpt_dim_dtype}[name]
+
+    def kernel(*args, **kwargs):
+        if not (args and _eligible(args[0])):
             with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                out = _round_out(op(*args, **kwargs), dtype)
-                if bias is not None:
-                    out = _add_bias(out, bias, dtype, conv=name != "linear")
-                return out
-        return kernel
-    if policy is CastPolicy.LOWER_PRECISION_FP:
-        # Multi-GEMM chains and elementwise composites (CUDA runs the same composite code): native low
-        # precision, with their inner GEMMs emulated.
-        def kernel(*args, **kwargs):
-            dtype = torch.get_autocast_dtype("cpu")
-            args, kwargs = _cast_tree(args, dtype), {k: _cast_tree(v, dtype) for k, v in kwargs.items()}
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU), LowPrecisionGemmMode():
                 return op(*args, **kwargs)
-        return kernel
-    if policy is CastPolicy.FP32:
-        def kernel(*args, **kwargs):
-            args, kwargs = _cast_tree(args, torch.float32), {k: _cast_tree(v, torch.float32) for k, v in kwargs.items()}
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                return op(*args, **kwargs)
-        return kernel
-    if policy is CastPolicy.FP32_SET_OPT_DTYPE:
-        idx, kw_only = _dtype_arg(op)
-
-        def kernel(*args, **kwargs):
-            if args and _eligible(args[0]) and idx is not None:
-                if kw_only or len(args) <= idx:
-                    if kwargs.get("dtype") is None:
-                        kwargs = {**kwargs, "dtype": torch.float32}
-                elif args[idx] is None:
-                    args = (*args[:idx], torch.float32, *args[idx + 1:])
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                return op(*args, **kwargs)
-        return kernel
-    if policy is CastPolicy.FP32_APPEND_DTYPE:
-        # norm.Scalar -> norm.ScalarOpt_dtype; norm.ScalarOpt_dim -> norm.ScalarOpt_dim_dtype (autocast_mode.cpp).
-        target = {"norm.Scalar": torch.ops.aten.norm.ScalarOpt_dtype,
-                  "norm.ScalarOpt_dim": torch.ops.aten.norm.ScalarOpt_dim_dtype}[name]
-
-        def kernel(*args, **kwargs):
-            if not (args and _eligible(args[0])):
-                with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                    return op(*args, **kwargs)
-            if name == "norm.Scalar":
-                p = args[1] if len(args) > 1 else kwargs.get("p", 2)
-                call_args: tuple = (args[0], p)
-            else:
-                call_args = tuple(args) + tuple(kwargs.values())
-                if len(call_args) < 4:
-                    call_args = (*call_args, False)
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                return target(*call_args, dtype=torch.float32)
-        return kernel
-    if policy is CastPolicy.PROMOTE:
-        def kernel(*args, **kwargs):
-            # at::autocast::prioritize, argument by argument: float32 wins as soon as it is seen (before or
-            # after); two lower-precision dtypes must both be the autocast dtype; float64 is ignored.
-            lower = torch.get_autocast_dtype("cpu")
-            widest = lower
-            for t in _flat_tensors((args, kwargs)):
-                if not _eligible(t):
-                    continue
-                if widest == torch.float32 or t.dtype == torch.float32:
-                    widest = torch.float32
-                elif not (widest == lower and t.dtype == lower):
-                    raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
-            args, kwargs = _cast_tree(args, widest), {k: _cast_tree(v, widest) for k, v in kwargs.items()}
-            # All in the low dtype, dot/vdot and tensordot's mm are GEMMs: emulated like every other GEMM.
-            gemms = LowPrecisionGemmMode() if widest != torch.float32 else contextlib.nullcontext()
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU), gemms:
-                return op(*args, **kwargs)
-        return kernel
-    if policy is CastPolicy.BANNED:
-        def kernel(*args, **kwargs):
-            # The message CUDA autocast raises (autocast_mode.cpp, binary_cross_entropy_banned).
-            raise RuntimeError(
-                "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
-                "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
-                "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
-                "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
-                "safe to autocast."
-            )
-        return kernel
-    raise AssertionError(policy)
-
-
-def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
-    """All of an op's arguments in schema order, defaults filled in."""
-    out = []
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(args):
-            out.append(args[i])
-        elif a.name in kwargs:
-            out.append(kwargs[a.name])
+        if name == "norm.Scalar":
+            p = args[1] if len(args) > 1 else kwargs.get("p", 2)
+            call_args: tuple = (args[0], p)
         else:
-            out.append(a.default_value if a.has_default_value() else None)
-    return out
+            call_args = tuple(args) + tuple(kwargs.values())
+            if len(call_args) < 4:
+                call_args = (*call_args, False)
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
+            return target(*call_args, dtype=torch.float32)
+    return kernel
+
+
+def _promote_kernel(op: torch._ops.OpOverload, name: str):
+    def kernel(*args, **kwargs):
+        # at::autocast::prioritize, argument by argument: float32 wins as soon as it is seen (before or
+        # after); two lower-precision dtypes must both be the autocast dtype; float64 is ignored.
+        lower = torch.get_autocast_dtype("cpu")
+        widest = lower
+        for t in _flat_tensors((args, kwargs)):
+            if not _eligible(t):
+                continue
+            if widest == torch.float32 or t.dtype == torch.float32:
+                widest = torch.float32
+            elif not (widest == lower and t.dtype == lower):
+                raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
+        args, kwargs = _cast_tree(args, widest), {k: _cast_tree(v, widest) for k, v in kwargs.items()}
+        # All in the low dtype, dot/vdot and tensordot's mm are GEMMs: emulated like every other GEMM.
+        gemms = LowPrecisionGemmMode() if widest != torch.float32 else contextlib.nullcontext()
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU), gemms:
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _banned_kernel(op: torch._ops.OpOverload, name: str):
+    def kernel(*args, **kwargs):
+        # The message CUDA autocast raises (autocast_mode.cpp, binary_cross_entropy_banned).
+        raise RuntimeError(
+            "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+            "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+            "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+            "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+            "safe to autocast."
+        )
+    return kernel
+
+
+# CastPolicy -> (op, table name) -> AutocastCPU kernel, for every policy but the GEMM-like and modelled ops above.
+_KERNEL_FACTORIES = {
+    CastPolicy.LOWER_PRECISION_FP: _lower_precision_kernel,
+    CastPolicy.FP32: _fp32_kernel,
+    CastPolicy.FP32_SET_OPT_DTYPE: _fp32_set_opt_dtype_kernel,
+    CastPolicy.FP32_APPEND_DTYPE: _fp32_append_dtype_kernel,
+    CastPolicy.PROMOTE: _promote_kernel,
+    CastPolicy.BANNED: _banned_kernel,
+}
+
+
 
 
 def _all_low(dtype: torch.dtype, *tensors: Any) -> bool:
@@ -537,15 +492,6 @@ _MODELLED_OPS = {
 }
 
 
-def _flat_tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _flat_tensors(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _flat_tensors(v)
 
 
 class CudaAutocastPolicy:
@@ -634,109 +580,6 @@ class CudaAutocastPolicy:
             self._lib = None
 
 
-_aten = torch.ops.aten
-
-# GEMM-family ops computed in fp32 and rounded when their floating inputs are all fp16 or all bf16.
-_GEMM_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten.mv.default, _aten.addmv.default, _aten.dot.default, _aten.vdot.default,
-    _aten._addmm_activation.default,
-    _aten.convolution.default, _aten.convolution_backward.default,
-    _aten._convolution.default,
-}
-# Their CUDA kernels round more than once: computed by the models of cuda_kernels.py (forward; below autograd,
-# their backward formulas run as ordinary ops, GEMMs emulated here).
-_MODELLED_FORWARD = {
-    _aten.addr.default: cuda_kernels.addr_forward,
-    _aten.addbmm.default: cuda_kernels.addbmm_forward,
-}
-_CONV_MODE_OPS = {_aten.convolution.default: "convolution", _aten._convolution.default: "_convolution"}
-# In-place GEMMs (conv_tbc's one addmm_ per kernel tap): computed like their out-of-place forms, then stored.
-_INPLACE_GEMM_OPS = {_aten.addmm_.default: _aten.addmm.default, _aten.baddbmm_.default: _aten.baddbmm.default}
-# CPU flash attention: (index of the query argument, which outputs stay float32 on the native path).
-# Forward returns (out, logsumexp) with logsumexp in fp32; backward takes logsumexp (fp32) as an input.
-_SDPA_OPS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu.default: (0, (False, True)),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, (False, False, False)),
-}
-
-
-def _low_dtype_of(args: Any, kwargs: Any) -> torch.dtype | None:
-    dtype = None
-    for t in _flat_tensors((args, kwargs)):
-        if not t.is_floating_point():
-            continue
-        if t.dtype not in LOW_DTYPES:
-            return None
-        if dtype is None:
-            dtype = t.dtype
-        elif dtype != t.dtype:
-            return None
-    return dtype
-
-
-def _up(x: Any, dtype: torch.dtype) -> Any:
-    return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype else t, x)
-
-
-class LowPrecisionGemmMode(TorchDispatchMode):
-    """Compute fp16/bf16 GEMMs, convolutions and CPU flash attention in fp32, rounding the results.
-
-    Keep it active through ``backward()`` so that the gradient GEMMs are emulated too.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gemm_calls = 0
-        self.fallback_ops: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _MODELLED_FORWARD:
-            dtype = _low_dtype_of(args, kwargs)
-            if dtype is not None:
-                self.gemm_calls += 1
-                return _MODELLED_FORWARD[func](*_bound(func, args, kwargs))
-        if func in _INPLACE_GEMM_OPS:
-            dtype = _low_dtype_of(args, kwargs)
-            if dtype is not None:
-                self.gemm_calls += 1
-                out = _INPLACE_GEMM_OPS[func](*_up(args, dtype), **_up(kwargs, dtype))
-                return args[0].copy_(out.to(dtype))
-        if func in _GEMM_OPS:
-            dtype = _low_dtype_of(args, kwargs)
-            if dtype is not None:
-                self.gemm_calls += 1
-                if func in _CONV_MODE_OPS:
-                    c_args, c_kwargs, bias = _without_bias(func, _CONV_MODE_OPS[func], list(args), kwargs)
-                    if bias is not None:
-                        out = func(*_up(c_args, dtype), **_up(c_kwargs, dtype)).to(dtype)
-                        return _add_bias(out, bias.float(), dtype, conv=True)
-                out = func(*_up(args, dtype), **_up(kwargs, dtype))
-                return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
-        elif func in _SDPA_OPS:
-            q_index, keep32 = _SDPA_OPS[func]
-            dtype = args[q_index].dtype
-            if dtype in LOW_DTYPES:
-                self.gemm_calls += 1
-                out = func(*_up(args, dtype), **_up(kwargs, dtype))
-                return tuple(t if k32 else t.to(dtype) for t, k32 in zip(out, keep32))
-        try:
-            return func(*args, **kwargs)
-        except (NotImplementedError, RuntimeError) as e:
-            if not is_missing_low_precision_kernel(e):
-                raise
-            dtype = torch.float16 if "'Half'" in str(e) else torch.bfloat16
-            self.fallback_ops.add(str(func))
-            out = func(*_up(args, dtype), **_up(kwargs, dtype))
-            return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out)
-
-
-def is_missing_low_precision_kernel(e: BaseException) -> bool:
-    """True for the error a CPU kernel without a Half/BFloat16 implementation raises."""
-    msg = str(e)
-    return isinstance(e, (NotImplementedError, RuntimeError)) and (
-        "not implemented for 'Half'" in msg or "not implemented for 'BFloat16'" in msg)
 
 
 @contextlib.contextmanager

@@ -156,7 +156,7 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
             e = ErrorStats()
             for r, y in zip(refs[0], ys):
                 if r.shape == y.shape:
-                    e.update(r, y.detach())
+                    e.update(session._refs.on(r, y), y.detach())
             layer_err[name] = e
         return hook
 
@@ -175,7 +175,7 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
             if root_ref is not None and len(root_ref) == len(alt_outputs):
                 e = ErrorStats()
                 for r, y in zip(root_ref, alt_outputs):
-                    e.update(r, y)
+                    e.update(session._refs.on(r, y), y)
                 out_err = e.rel_l2
         finally:
             for h in hooks:

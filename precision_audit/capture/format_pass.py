@@ -1,0 +1,158 @@
+"""The format passes: the whole model under each low-precision format, against the FP32 reference.
+
+Per format, one forward under autocast (real on CUDA, emulated elsewhere) and the backward of the loss times the
+format's loss scale. Per module call it streams the *accumulated* error of each output against the reference
+pass's FP32 output of the same call, the outputs' and dL/dy's actual magnitudes, and after the backward the
+non-finite parameter gradients the format adds to FP32's own. A pass that fails in low precision is that
+format's finding (``RunRecord.error``), not a crash. :meth:`FormatPasses.verify_plan` runs one forward with a
+plan's policy applied.
+
+:class:`FormatPasses` is a part of :class:`~precision_audit.capture.session.CaptureSession` (it shares the
+session's per-pass state); it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from typing import Any
+
+import torch
+
+from ..formats import Format
+from .gemm_mode import is_missing_low_precision_kernel
+from .failures import RunFailure
+from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .stats import ErrorStats
+
+
+class FormatPasses:
+    """The low-precision passes of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
+
+    # state of the session this part reads and writes (see CaptureSession.__init__)
+    config: Any
+    model: torch.nn.Module
+    layers: dict[int, LayerRecord]
+    runs: dict[Format, RunRecord]
+
+    def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
+        """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""
+        self._reset()
+        self._phase = fmt
+        run = RunRecord(format=fmt, loss_scale=loss_scale)
+        t0 = time.perf_counter()
+        try:
+            out, loss = self._run(fmt)
+            run.loss = float(loss.detach().float())
+            self._phase = None
+            # grads are recorded per layer through the hooks registered during the forward
+            try:
+                with self._backward_context():
+                    (loss.float() * loss_scale).backward()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # a backward that fails only in low precision is this format's finding
+                raise RunFailure(e, "(backward pass)") from e
+        except RunFailure as f:
+            self._phase = None
+            if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
+                # A CPU kernel has no fp16/bf16 version: redo the pass with the fp32-fallback dispatch mode on.
+                self._use_gemm_mode = True
+                for rec in self.layers.values():
+                    if fmt in rec.formats:
+                        old = rec.formats[fmt]
+                        rec.formats[fmt] = FormatLayerStats(local=old.local, local_note=old.local_note)
+                return self.format_run(fmt, loss_scale)
+            run.error = f"{type(f.error).__name__}: {f.error}" + (f" (in module '{f.where}')" if f.where else "")
+        finally:
+            self._phase = None
+        root = self.layers.get(id(self.model))
+        if root is not None and fmt in root.formats:
+            run.output = root.formats[fmt].accumulated
+            run.output_nonfinite = run.output.nonfinite
+        self._count_grad_nonfinite(fmt, run)
+        if root is not None and fmt in root.formats and root.formats[fmt].local is None:
+            root.formats[fmt].local = copy.deepcopy(root.formats[fmt].accumulated)
+        run.wall_s = time.perf_counter() - t0
+        self._stat_cache.clear()
+        self.runs[fmt] = run
+        return run
+
+    def _count_grad_nonfinite(self, fmt: Format, run: RunRecord) -> None:
+        """Non-finite parameter-gradient elements of this pass, per owning module and in all (FP32's own apart)."""
+        seen: set[int] = set()
+        for mid, rec in self.layers.items():
+            fs = rec.formats.setdefault(fmt, FormatLayerStats())
+            for p in self._modules[mid].parameters(recurse=False):
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    added, shared = self._grad_nonfinite(p)
+                    fs.grad_param_nonfinite += added
+                    run.param_grads_nonfinite += added
+                    run.param_grads_nonfinite_shared += shared
+        for p in self.model.parameters():  # parameters no module that ran owns
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                added, shared = self._grad_nonfinite(p)
+                run.param_grads_nonfinite += added
+                run.param_grads_nonfinite_shared += shared
+
+    def _grad_nonfinite(self, p: torch.Tensor) -> tuple[int, int]:
+        """(non-finite gradient elements of ``p`` where FP32's is finite, those where FP32's is not finite too)."""
+        bad = ~torch.isfinite(p.grad.detach())
+        ref = self._ref_grad_nonfinite.get(id(p))
+        if ref is None or ref.shape != bad.shape:
+            return int(bad.sum()), 0
+        return int((bad & ~ref).sum()), int((bad & ref).sum())
+
+    def verify_plan(self, policy: Any, default: Format | None) -> RunRecord:
+        """One forward with ``policy`` applied (the runtime's apply_policy): its loss and output vs the FP32 reference.
+
+        The plan's default format runs as in the format passes; modules the policy overrides run in their own
+        format inside it (fp32: autocast off, inputs cast up). Forward only: the budget is on loss and output.
+        """
+        self._reset()
+        run = RunRecord(format=default or Format.FP32)
+        device_type = "cuda" if self.config.mode == "cuda" else "cpu"
+        from ..runtime.apply import apply_policy
+
+        handle = apply_policy(self.model, policy, device_type=device_type)
+        try:
+            with torch.no_grad(), (self._autocast(default) if default else contextlib.nullcontext()), \
+                    self._same_draws(default or Format.FP32):
+                out = self._forward(self.model)
+                loss = self._loss_of(out)
+            run.loss = float(loss.detach().float())
+            ref = self._ref_outputs.get(id(self.model))
+            ys = float_tensors(out)
+            if ref and len(ref[0]) == len(ys):
+                run.output = ErrorStats()
+                for r, y in zip(ref[0], ys):
+                    run.output.update(self._refs.on(r, y), y)
+                run.output_nonfinite = run.output.nonfinite
+        except torch.OutOfMemoryError:
+            raise  # the GPU's limit, not the plan's fault: it must not count as a broken plan
+        except Exception as e:  # the plan itself fails: reported as a broken plan, not a crash
+            run.error = f"{type(e).__name__}: {e}"
+        finally:
+            handle.remove()
+            self._stack.clear()
+        return run
+
+    def _post_format(self, m, rec: LayerRecord, ys) -> None:
+        fmt = self._phase
+        assert isinstance(fmt, Format)
+        fs = rec.formats.setdefault(fmt, FormatLayerStats())
+        fs.calls += 1
+        k = self._call_index.get(id(m), 0)
+        self._call_index[id(m)] = k + 1
+        for y in ys:
+            fs.activation.merge(self._summary_of(y))
+            fs.output_dtypes.add(str(y.dtype).removeprefix("torch."))
+        refs = self._ref_outputs.get(id(m), [])
+        if k >= len(refs) or len(refs[k]) != len(ys) or any(r.shape != y.shape for r, y in zip(refs[k], ys)):
+            fs.unmatched_calls += 1
+            return
+        for r, y in zip(refs[k], ys):
+            fs.accumulated.merge(self._error_of(r, y))

@@ -1,0 +1,88 @@
+"""The reference forward's op tracker: which ops each module runs itself (not through its children).
+
+It is a ``TorchDispatchMode`` active during the FP32 reference forward only (never during the local re-runs,
+the format passes or the audit's own statistics). Per op it
+
+- refuses, before it happens, a write into a parameter's storage (the audit keeps no copy of the parameters,
+  docs/memory.md);
+- counts the op under the innermost module running it, unless it only moves or relabels data: a module with
+  ops of its own *computes*, and one whose own ops are additions only is a container that is not re-run
+  (docs/memory.md, "Local re-runs");
+- records GEMM-family ops with their shapes, and the elements every other op reads and writes
+  (capture/ops.py), for the cost model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import ModelRunError
+from .ops import record_op
+
+if TYPE_CHECKING:
+    from .session import CaptureSession
+
+_aten = torch.ops.aten
+# Ops that move or relabel data without computing: they do not make a module "compute".
+_NON_COMPUTE = {
+    _aten.detach.default, _aten.alias.default, _aten.clone.default, _aten._to_copy.default, _aten.copy_.default,
+    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default, _aten.new_empty.default,
+    _aten.new_zeros.default, _aten.new_ones.default, _aten.lift_fresh.default, _aten._unsafe_view.default,
+    _aten.empty.memory_format, _aten.zeros.default, _aten.ones.default, _aten.arange.start, _aten.arange.default,
+    _aten.arange.start_step, _aten.full.default, _aten.scalar_tensor.default,
+}
+# A module's own ops that still leave it a container (not re-run alone): additions (a residual add).
+_ADDS = {_aten.add.Tensor, _aten.add_.Tensor, _aten.add.Scalar, _aten.add_.Scalar}
+
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes in place (from its schema; cached per op)."""
+    hit = _WRITTEN.get(func)
+    if hit is None:
+        hit = _WRITTEN[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                     if a.alias_info is not None and a.alias_info.is_write)
+    return hit
+
+
+class OpTracker(TorchDispatchMode):
+    """Counts compute ops per innermost module during the reference forward (the session's call stack)."""
+
+    def __init__(self, session: "CaptureSession") -> None:
+        super().__init__()
+        self.session = session
+        self.param_ptrs: set[int] = {p.untyped_storage().data_ptr() for p in session.model.parameters()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        s = self.session
+        written = _written_args(func)
+        if written and not s._rerunning:
+            self._refuse_parameter_write(func, written, args, kwargs)
+        out = func(*args, **kwargs)
+        if not s._rerunning and s._stack and not func.is_view and func not in _NON_COMPUTE:
+            s._own_ops[-1] += 1
+            if func not in _ADDS:
+                s._own_work[-1] += 1
+            record_op(s._layer(s._modules[s._stack[-1]]).ops, func, args, kwargs, out)
+        return out
+
+    def _refuse_parameter_write(self, func: Any, written: tuple[tuple[int, str], ...], args: tuple,
+                                kwargs: dict) -> None:
+        """Raise before an op writes into a parameter: the audit runs on the user's model and does not copy
+        its parameters, so the write must not happen (docs/memory.md)."""
+        s = self.session
+        for i, name in written:
+            t = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.param_ptrs:
+                where = s._names.get(s._stack[-1], "?") if s._stack else None
+                raise ModelRunError(
+                    f"the model writes into its own parameters during the forward pass ({func}), so passes in "
+                    "different formats would not start from the same weights",
+                    found=f"in module '{where or '(model)'}'" if where is not None else None,
+                    hint="audit a model whose forward does not modify its parameters; the write was refused "
+                         "before it happened, so the model is unchanged")

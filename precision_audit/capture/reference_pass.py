@@ -1,0 +1,273 @@
+"""The FP32 reference pass: outputs, gradients and each module's local error (a re-run alone per format).
+
+One instrumented FP32 forward and backward on the user's model (capture/session.py runs the hooks). Per module
+call it streams the output's magnitude histogram, keeps an FP32 clone of the output for the format passes to
+compare against, and re-runs the module alone in each format on its exact FP32 inputs (same RNG state, same
+random draws, buffers swapped for copies) for its *local* error; the difference y_p - y is kept in bf16 until
+the backward gives dL/dy, for the first-order loss impact <dL/dy, y_p - y>. Containers whose own work is only
+additions are not re-run (docs/memory.md, "Local re-runs"). The backward gives dL/dy and dL/dW histograms.
+
+:class:`ReferencePass` is a part of :class:`~precision_audit.capture.session.CaptureSession` (it shares the
+session's per-pass state); it holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import ModelRunError, NumericsError
+from ..formats import Format
+from .emulation import rounding_registry_paused
+from .gemm_mode import is_missing_low_precision_kernel
+from .failures import RunFailure
+from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .stats import ErrorStats, MagnitudeHistogram
+
+CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
+                  "measured)")
+
+
+class ReferencePass:
+    """The FP32 reference pass of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
+
+    # state of the session this part reads and writes (see CaptureSession.__init__)
+    config: Any
+    model: torch.nn.Module
+    layers: dict[int, LayerRecord]
+    grad_all: MagnitudeHistogram
+    reference: RunRecord | None
+
+    def reference_run(self) -> RunRecord:
+        """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
+        self._reset()
+        self._phase = "ref"
+        t0 = time.perf_counter()
+        try:
+            try:
+                out, loss = self._run(None)
+            except RunFailure as f:
+                raise ModelRunError(
+                    f"the model raised {type(f.error).__name__} in its FP32 forward pass: {f.error}",
+                    found=f"in module '{f.where or '(model)'}'" if f.where is not None else None,
+                    hint="check that the batch matches what the model's forward expects",
+                ) from f.error
+            lval = float(loss.detach().float())
+            self._check_finite_reference(out, loss, lval)
+            self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
+            try:
+                with self._fp32_reference_switches():
+                    loss.backward()
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:
+                raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
+                                    hint="check the model's custom autograd code (backward) in FP32 first") from e
+        finally:
+            self._phase = None
+        self._param_grad_histograms()
+        self._clone_cache.clear()
+        self._stat_cache.clear()
+        self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
+        return self.reference
+
+    @staticmethod
+    def _check_finite_reference(out: Any, loss: torch.Tensor, lval: float) -> None:
+        outs = float_tensors(out)
+        bad = sum(int((~torch.isfinite(y)).sum()) for y in outs)
+        # Non-finite output values the loss does not use (its value is finite) are FP32's own, reported in
+        # summary.fp32.nonfinite and left out of every comparison; a non-finite loss leaves nothing to compare.
+        if not torch.isfinite(loss.detach()).item():
+            raise NumericsError(
+                "the FP32 reference is already not finite, so there is nothing to compare low precision against",
+                found=f"loss = {lval}, {bad} non-finite output element(s)",
+                hint="fix the model or the batch in FP32 first (check for NaN weights or inputs, log of 0, ...)",
+            )
+
+    def _param_grad_histograms(self) -> None:
+        """Parameter gradients, attributed to the module that owns each parameter."""
+        seen: dict[int, MagnitudeHistogram] = {}
+        for mid, rec in self.layers.items():
+            for p in self._modules[mid].parameters(recurse=False):
+                if p.grad is None:
+                    continue
+                if id(p) in seen:  # a tied weight: counted once, and known to this module too
+                    rec.grad_param_tied.merge(seen[id(p)])
+                    continue
+                h = MagnitudeHistogram()
+                h.update(p.grad)
+                seen[id(p)] = h
+                rec.grad_param.merge(h)
+                self.grad_all.merge(h)
+                if h.nonfinite:
+                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(p.grad.detach())
+
+    def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
+        """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a
+        container passing its child's output on), True for a new tensor (an in-place op makes a new version)."""
+        key = (id(y), y._version)
+        hit = self._producers.get(key)
+        if hit is not None and hit[0]() is y:
+            return False
+        self._producers[key] = (weakref.ref(y), rec, slot)
+        return True
+
+    def _note_consumer(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Record ``m`` as a consumer of every input tensor another module produced in this pass."""
+        name = self._names.get(id(m), "?")
+        for x in float_tensors((args, kwargs)):
+            hit = self._producers.get((id(x), x._version))
+            if hit is not None and hit[0]() is x:
+                hit[1].output_consumers.setdefault(hit[2], set()).add(name)
+
+    def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
+        rec.calls += 1
+        rec.own_ops += own_ops
+        if rec.calls == 1:
+            rec.output_shapes = [list(y.shape) for y in ys]
+        for y in ys:
+            rec.activation.merge(self._hist_of(y))
+        self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
+        computes = own_ops > 0
+        rec.computes = rec.computes or computes
+        # A container whose own work in this call is additions only (a residual add) is not re-run: its local
+        # error would be its children's plus one addition's rounding, at the cost of re-running all of its
+        # children once more per format (docs/memory.md, "Local re-runs").
+        container = computes and not rec.is_leaf and own_work == 0
+        for fmt in self.config.formats:
+            fs = rec.formats.setdefault(fmt, FormatLayerStats())
+            if rec.name == "":
+                fs.local_note = "the whole model: local error equals accumulated error (same inputs)"
+            elif not computes:
+                if fs.local is None:
+                    fs.local_note = ("no computation of its own" if rec.is_leaf
+                                     else "a container: its children's local errors are measured")
+            elif container and fs.local is None:
+                fs.local_note = CONTAINER_NOTE
+        if computes and not container and rec.name != "" and self.config.formats and ys:
+            return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+        return {}
+
+    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre_rng) -> dict[Format, list[torch.Tensor]]:
+        """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
+        bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
+        diffs: dict[Format, list[torch.Tensor]] = {}
+        pre_rng, snapshot, draw_start = pre_rng
+        self._rerunning = True
+        now = self._rng_state()
+        buffer_names = [n for n, _ in m.named_buffers()]
+        try:
+            for fmt in self.config.formats:
+                fs = rec.formats[fmt]
+                self._set_rng_state(pre_rng)
+                if snapshot is not None:  # objects the call may have changed (a KV cache): as they were before it
+                    args, kwargs = copy.deepcopy(snapshot)
+                try:
+                    try:
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
+                    except Exception as e:
+                        if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
+                            raise
+                        self._use_gemm_mode = True
+                        self._set_rng_state(pre_rng)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
+                except torch.OutOfMemoryError:
+                    # not a finding of this module: a "not measured" here would read as zero impact to the
+                    # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
+                    raise
+                except Exception as e:  # the module fails under autocast: reported, not fatal
+                    fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
+                    continue
+                ps = float_tensors(out)
+                if len(ps) != len(ys) or any(p.shape != y.shape for p, y in zip(ps, ys)):
+                    fs.local_note = "not measured: the re-run returned outputs of another structure"
+                    continue
+                if fs.local is None:
+                    fs.local = ErrorStats()
+                    fs.local_note = None
+                for y, p in zip(ys, ps):
+                    fs.local.update(y, p)
+                if any(y.requires_grad for y in ys):
+                    # zero where FP32 itself is not finite: FP32's own inf/NaN is no format's loss impact
+                    diffs[fmt] = [self._refs.stash(torch.where(torch.isfinite(y.detach()),
+                                                               p.detach().float() - y.detach(), 0.0)
+                                                   .to(torch.bfloat16)) for y, p in zip(ys, ps)]
+        finally:
+            self._set_rng_state(now)
+            self._rerunning = False
+        return diffs
+
+    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0) -> Any:
+        # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
+        # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
+        # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op.
+        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), \
+                self._same_draws(fmt, draw_start):
+            if not buffer_names:
+                return m(*args, **kwargs)
+            buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}
+            return torch.func.functional_call(m, buffers, args, kwargs, strict=False)
+
+    def _reference_grad(self, rec: LayerRecord, g: torch.Tensor, diffs: dict[Format, torch.Tensor] | None,
+                        own: tuple[int, Any] | None) -> None:
+        """dL/dy of one output in the FP32 backward: its histogram, and each format's first-order loss impact."""
+        h = MagnitudeHistogram()
+        h.update(g)
+        rec.grad_output.merge(h)
+        self.grad_all.merge(h)
+        if own is not None:
+            y, loss = own[1](), self._loss_ref() if self._loss_ref is not None else None
+            # dL/dL of the loss itself (or of a scalar the model returns as a loss): not a gradient
+            # any format computes, so it is kept apart from the loss-scale statistics
+            if (y is not None and y is loss) or (rec.name == "" and g.numel() == 1):
+                rec.grad_loss.merge(h)
+            else:
+                rec.grad_output_own.setdefault(own[0], MagnitudeHistogram()).merge(h)
+        for f, d in (diffs or {}).items():
+            impact = float((g.detach().double() * self._refs.on(d, g).double()).sum())
+            fs = rec.formats[f]
+            fs.loss_impact += impact
+            fs.loss_impact_abs += abs(impact)
+            fs.impact_measured = True
+
+
+def _holds_objects(value: Any) -> bool:
+    """Whether an argument holds something other than tensors, plain values and containers of them."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, complex, str, bytes, torch.dtype,
+                                           torch.device, torch.Size, slice, type(Ellipsis))):
+        return False
+    if isinstance(value, (tuple, list)):
+        return any(_holds_objects(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_objects(v) for v in value.values())
+    return True
+
+
+def snapshot_state(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A copy of the call's arguments taken before it runs, when they hold mutable objects (a KV cache the
+    call appends to): the local re-runs must see them as the call did. Tensors are not copied (memo)."""
+    if not (_holds_objects(args) or _holds_objects(kwargs)):
+        return None
+    memo: dict[int, Any] = {}
+    for t in _tensors_in((args, kwargs)):
+        memo[id(t)] = t
+    try:
+        return copy.deepcopy((args, kwargs), memo)
+    except Exception:  # an object that cannot be copied: the re-runs use the live arguments
+        return None
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
+

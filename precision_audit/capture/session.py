@@ -1,0 +1,467 @@
+"""The capture session: the FP32 reference and one pass per low-precision format, forward and backward.
+
+The passes run on the user's model in place, with no copy of it: the session keeps only what the passes change
+(buffers, references to existing gradients, flags, hooks; see :class:`~.model_state.ModelState` and
+docs/memory.md), resets the buffers before every run, seeds every run identically, and puts the model and the
+global RNG state (every GPU's) back exactly when it ends, after a failure or a Ctrl-C too. Every format sees
+the same dropout masks: in emulated mode the CPU kernels draw the same masks from the same seed whatever the
+dtype; in cuda mode, where they do not, the reference pass's draws are recorded and replayed in the other
+passes (capture/rng_replay.py).
+
+The session is the thin part that ties the passes together: its module hooks keep the call stack and hand
+each module call to the pass that is running. The passes live in their own modules:
+
+- capture/reference_pass.py: the FP32 reference, each computing module re-run alone per format (local error);
+- capture/format_pass.py: one pass per format (accumulated error), and the plan's verification forward;
+- capture/timing.py: the profiled and clean timed steps;
+- capture/op_tracker.py: which ops each module runs itself, during the reference forward;
+- capture/model_state.py: what the passes change on the model, and its exact restore.
+
+Per module call the passes stream statistics, never keeping whole tensors per layer and format, except the
+FP32 outputs of the reference pass, which the low-precision passes are compared against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..errors import AuditError, ModelRunError
+from ..formats import LOW_PRECISION_DTYPES, Format
+from ..outputs import _NoInterrupt
+from ..tf32_switches import tf32_switches
+from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
+from .failures import RunFailure
+from .format_pass import FormatPasses
+from .memory import SavedTensorCounter
+from .model_state import ModelState
+from .op_tracker import OpTracker
+from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
+from .reference_pass import ReferencePass, snapshot_state
+from .reference_store import ReferenceStore
+from .rng_replay import RandomDraws, recording, replaying
+from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
+from .timing import StepTimer
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """How to run the capture.
+
+    ``mode`` is ``"cuda"`` (real ``torch.autocast("cuda")``) or ``"emulated"`` (CUDA autocast's policy and
+    Tensor Core rounding computed on any device). ``loss_scales`` maps a format to the loss scale its
+    backward uses (FP16 needs one; BF16 does not).
+    """
+
+    formats: tuple[Format, ...]
+    device: str = "cpu"
+    mode: str = "emulated"
+    seed: int = 0
+    timed_steps: int = 1
+    kernels: str = "python"  # emulated mode: "python" or "compiled" (see capture/compiled.py)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("cuda", "emulated"):
+            raise ValueError(f"mode must be 'cuda' or 'emulated', got {self.mode!r}")
+        if self.mode == "cuda" and not self.device.startswith("cuda"):
+            raise ValueError("mode 'cuda' needs a cuda device")
+        for f in self.formats:
+            if f not in LOW_PRECISION_DTYPES:
+                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16)")
+        if self.timed_steps < 0:
+            raise ValueError("timed_steps must be >= 0")
+
+
+class CaptureSession(ReferencePass, FormatPasses):
+    """Runs the model on its batch in FP32 and in each format, and gathers per-module records.
+
+    Example::
+
+        with CaptureSession(model, run_forward, loss_of, CaptureConfig((Format.BF16,))) as s:
+            s.reference_run()
+            s.format_run(Format.BF16)
+            result = s.result()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        forward: Callable[[torch.nn.Module], Any],
+        loss_of: Callable[[Any], torch.Tensor],
+        config: CaptureConfig,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._forward = forward
+        self._loss_of = loss_of
+        self._progress = progress or (lambda msg: None)
+        # The passes run on the user's model itself, not on a copy; ModelState keeps what they change and puts
+        # it back on exit, after a failure or a Ctrl-C too (docs/memory.md).
+        self.model = model
+        self._state = ModelState(model, config.device)
+        self._prepared = False
+        self.training = model.training
+        self._names = {id(m): n for n, m in self.model.named_modules()}
+        self._modules = {id(m): m for _, m in self.model.named_modules()}
+        # Passes never step an optimizer, so parameters do not change (checked, not copied); buffers do
+        # (BatchNorm's running statistics), and are put back before every pass.
+        self._param_versions: list[int] = []
+        self.layers: dict[int, LayerRecord] = {}
+        self.grad_all = MagnitudeHistogram()
+        self.reference: RunRecord | None = None
+        self.runs: dict[Format, RunRecord] = {}
+        # parameter -> where its FP32 gradient is not finite (only parameters that have such positions): a format
+        # pass is judged on the non-finite gradients it adds, not on FP32's own (README.md, audit.json)
+        self._ref_grad_nonfinite: dict[int, torch.Tensor] = {}
+        self.step_times: dict[str, list[float]] = {}
+        self.memory: dict[str, dict[str, int]] = {}
+        self.traces: dict[str, bytes] = {}
+        self.warnings: list[str] = []
+        # per-run state
+        self._phase: Format | str | None = None
+        self._stack: list[int] = []
+        self._own_ops: list[int] = []
+        self._own_work: list[int] = []  # per call on the stack: its own ops other than additions (_ADDS)
+        self._pre_rng: list[Any] = []
+        self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
+        self._draw_mismatches = 0
+        self._rerunning = False
+        self._call_index: dict[int, int] = {}
+        self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
+        self._clone_cache: dict[int, tuple[int, torch.Tensor]] = {}
+        # the reference's kept tensors: on the host when the audit runs on a GPU (capture/reference_store.py)
+        self._refs = ReferenceStore(config.device)
+        self._stat_cache: dict[tuple, tuple[torch.Tensor, Any]] = {}  # per pass; holds the tensors it keys
+        self._loss_scale = 1.0
+        # reference pass: which module produced each output tensor (by identity and version), and the loss
+        # tensor, so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
+        self._producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = {}
+        self._loss_ref: Any = None
+        self._hooks: list[Any] = []
+        self._exit = contextlib.ExitStack()
+        self._policy: CudaAutocastPolicy | None = None
+        self._gemm = LowPrecisionGemmMode()
+        # The dispatch mode costs a Python call per op; it is switched on only when the model hits a CPU
+        # kernel with no Half/BFloat16 implementation (then every later pass uses it).
+        self._use_gemm_mode = False
+        self._timer = StepTimer(self)
+
+    # -- context -------------------------------------------------------------------------------------
+    def __enter__(self) -> "CaptureSession":
+        es = self._exit
+        try:
+            # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device
+            # 0's; in emulated mode too when CUDA is already in use in this process
+            cuda = self.config.mode == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
+            devices = list(range(torch.cuda.device_count())) if cuda else []
+            es.enter_context(torch.random.fork_rng(devices=devices))
+            self._prepared = True
+            self._state.prepare()
+            self._param_versions = [p._version for p in self.model.parameters()]
+            if self.config.mode == "emulated":
+                self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
+            self._install_hooks()
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
+
+    def _install_hooks(self) -> None:
+        for m in self.model.modules():
+            self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        # A Ctrl-C during the restore is held back until the model is back (precision_audit/outputs.py).
+        with _NoInterrupt():
+            try:
+                self._remove_hooks()
+                self._ref_outputs.clear()
+                self._clone_cache.clear()
+                self._stat_cache.clear()
+                self._producers.clear()
+                self._draws.clear()
+            finally:
+                try:
+                    if self._prepared:
+                        self._state.restore()
+                        self._prepared = False
+                finally:
+                    self._exit.close()
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._state.reset_buffers()
+        if [p._version for p in self.model.parameters()] != self._param_versions:
+            raise ModelRunError("the model changed its own parameters in place during a forward pass, so passes "
+                                "in different formats would not start from the same weights",
+                                hint="audit a model whose forward does not modify its parameters (the write "
+                                     "happened after the FP32 pass, which refuses such writes; the audit keeps "
+                                     "no copy of the parameters, see docs/memory.md)")
+        for p in self.model.parameters():
+            p.grad = None
+        torch.manual_seed(self.config.seed)
+        if self.config.mode == "cuda":
+            torch.cuda.manual_seed_all(self.config.seed)
+        self._stack.clear()
+        self._own_ops.clear()
+        self._own_work.clear()
+        self._pre_rng.clear()
+        self._call_index.clear()
+        self._stat_cache.clear()
+        self._producers.clear()
+        self._loss_ref = None
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], self.config.device)
+
+    @contextlib.contextmanager
+    def _autocast(self, fmt: Format) -> Iterator[None]:
+        dtype = LOW_PRECISION_DTYPES[fmt]
+        if self.config.mode == "cuda":
+            with torch.autocast("cuda", dtype=dtype):
+                yield
+        else:
+            with emulated_autocast(dtype, self._gemm if self._use_gemm_mode else None):
+                yield
+
+    @contextlib.contextmanager
+    def _backward_context(self) -> Iterator[None]:
+        if self.config.mode == "emulated" and self._use_gemm_mode:
+            with self._gemm:
+                yield
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def _fp32_reference_switches(self) -> Iterator[None]:
+        """TF32 off for the FP32 reference on CUDA (cuBLAS and cuDNN); the user's exact settings are restored
+        afterwards, through the API they were made with (precision_audit/tf32_switches.py)."""
+        if self.config.mode != "cuda":
+            yield
+            return
+        with tf32_switches(matmul=False, cudnn=False):
+            yield
+
+    @contextlib.contextmanager
+    def _same_draws(self, phase: Format | None, start: int = 0) -> Iterator[None]:
+        """CUDA only: the reference pass records its random draws (dropout masks), the other passes replay
+        them from position ``start``, so that every format sees the same masks (capture/rng_replay.py)."""
+        if self.config.mode != "cuda":
+            yield
+            return
+        if phase is None:
+            self._draws.clear()
+            with recording(self._draws):
+                yield
+            return
+        with replaying(self._draws, start) as r:
+            try:
+                yield
+            finally:
+                self._draw_mismatches += r.mismatches
+
+    def _draw_warnings(self) -> list[str]:
+        if not self._draw_mismatches:
+            return []
+        return [f"{self._draw_mismatches} random draw(s) in the low-precision passes (counted per pass and re-run) "
+                "had no draw of the same shape at the same position in the FP32 reference and were drawn anew: "
+                "their dropout masks (or noise) "
+                "differ from the reference's, so the errors of the modules after them include that difference"]
+
+    def _layer(self, m: torch.nn.Module) -> LayerRecord:
+        rec = self.layers.get(id(m))
+        if rec is None:
+            name = self._names.get(id(m), "?")
+            rec = LayerRecord(
+                name=name,
+                type=type(m).__name__,
+                depth=0 if name == "" else name.count(".") + 1,
+                is_leaf=next(iter(m.children()), None) is None,
+                param_count=sum(p.numel() for p in m.parameters(recurse=False)),
+                total_param_count=sum(p.numel() for p in m.parameters()),
+                order=len(self.layers),
+            )
+            self.layers[id(m)] = rec
+        return rec
+
+    # A module's output is often its parent's too (a Sequential returns its last child's output): statistics of
+    # one tensor are computed once per pass and merged into every record that sees it.
+    @staticmethod
+    def _tensor_key(t: torch.Tensor) -> tuple:
+        return (id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype)
+
+    def _cached(self, kind: str, tensors: tuple[torch.Tensor, ...], make: Callable[[], Any],
+                operands: Callable[[], tuple[torch.Tensor, ...]] | None = None) -> Any:
+        """``make()``'s statistics object for these tensors, computed once per pass (from ``operands()`` when
+        given: the same values, where the statistic reads them)."""
+        key = (kind, *(self._tensor_key(t) for t in tensors))
+        hit = self._stat_cache.get(key)
+        if hit is None or hit[0] is not tensors[-1]:
+            stats = make()
+            stats.update(*(operands() if operands is not None else tensors))
+            hit = self._stat_cache[key] = (tensors[-1], stats)
+        return hit[1]
+
+    def _hist_of(self, t: torch.Tensor) -> MagnitudeHistogram:
+        return self._cached("hist", (t,), MagnitudeHistogram)
+
+    def _summary_of(self, t: torch.Tensor) -> RangeSummary:
+        return self._cached("sum", (t,), RangeSummary)
+
+    def _error_of(self, r: torch.Tensor, y: torch.Tensor) -> ErrorStats:
+        # r, the reference's output, may be on the host (capture/reference_store.py): compared on y's device
+        return self._cached("err", (r, y), ErrorStats, lambda: (self._refs.on(r, y), y))
+
+    def _clone_ref(self, t: torch.Tensor) -> torch.Tensor:
+        hit = self._clone_cache.get(id(t))
+        if hit is not None and hit[0] == t._version and hit[1].shape == t.shape:
+            return hit[1]
+        c = self._refs.keep(t)
+        self._clone_cache[id(t)] = (t._version, c)
+        return c
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _pre_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._phase == "profile":
+            self._timer.pre(m)
+            return
+        if self._phase is None or self._rerunning:
+            return
+        with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
+            self._stack.append(id(m))
+            self._own_ops.append(0)
+            self._own_work.append(0)
+            self._pre_rng.append((self._rng_state(), snapshot_state(args, kwargs), len(self._draws))
+                                 if self._phase == "ref" else None)
+            if self._phase == "ref":
+                self._layer(m)  # records are ordered by first call (pre-order of execution)
+                self._note_consumer(m, args, kwargs)
+
+    def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._phase == "profile":
+            self._timer.post(m)
+            return
+        if self._phase is None or self._rerunning:
+            return
+        if not self._stack or self._stack[-1] != id(m):
+            return  # a hook registered mid-call; ignore
+        # The statistics below run tensor ops; the op tracker must not see them (they are not the model's
+        # work, and would make a parent module look as if it computed something itself).
+        with _disable_current_modes():
+            self._post_hook_body(m, args, kwargs, output)
+
+    def _post_hook_body(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._stack.pop()
+        own_ops = self._own_ops.pop()
+        own_work = self._own_work.pop()
+        pre_rng = self._pre_rng.pop()
+        rec = self._layer(m)
+        ys = float_tensors(output)
+        diffs: dict[Format, list[torch.Tensor]] = {}
+        if self._phase == "ref":
+            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
+        else:
+            self._post_format(m, rec, ys)
+        for i, y in enumerate(ys):
+            own = self._phase == "ref" and self._note_producer(rec, i, y)
+            if y.requires_grad:
+                y.register_hook(self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
+                                                (i, weakref.ref(y)) if own else None))
+
+    # -- runs ----------------------------------------------------------------------------------------
+    def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
+        """One forward (under autocast for a format) and the loss; errors name the module that raised."""
+        counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
+        try:
+            if fmt is None:
+                with self._fp32_reference_switches(), counter, self._same_draws(None), OpTracker(self):
+                    out = self._forward(self.model)
+                    loss = self._loss_of(out)
+                self._loss_ref = weakref.ref(loss)
+            else:
+                with counter, self._autocast(fmt), self._same_draws(fmt):
+                    out = self._forward(self.model)
+                    loss = self._loss_of(out)
+            key = "fp32" if fmt is None else fmt.value
+            self.memory[key] = {"activation_bytes": counter.tally.activation_bytes,
+                                "weight_copy_bytes": counter.tally.weight_copy_bytes}
+            for mid, nbytes in counter.tally.by_module.items():
+                self._layer(self._modules[mid]).saved_bytes[key] = nbytes
+        except (torch.OutOfMemoryError, AuditError):
+            # the user's own errors (a loss_fn returning a vector) and OOM (cli.py advises a smaller batch) pass as is
+            self._stack.clear()
+            raise
+        except Exception as e:
+            where = self._names.get(self._stack[-1], "?") if self._stack else None
+            self._stack.clear()
+            raise RunFailure(e, where) from e
+        return out, loss
+
+    def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, torch.Tensor] | None = None,
+                   own: tuple[int, Any] | None = None):
+        """``own``: (slot, weak reference to the tensor) when ``rec`` produced it (reference pass)."""
+        phase = self._phase
+
+        def hook(g: torch.Tensor) -> None:
+            if g is None:
+                return
+            if phase == "ref":
+                self._reference_grad(rec, g, diffs, own)
+            elif isinstance(phase, Format):
+                rec.formats[phase].grad_output.update(g)
+        return hook
+
+    def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
+        """Per format, ``steps`` profiled steps, then ``steps`` clean ones (capture/timing.py)."""
+        return self._timer.run(steps, traces)
+
+    def result(self) -> CaptureResult:
+        assert self.reference is not None, "reference_run() first"
+        layers = sorted(self.layers.values(), key=lambda r: r.order)
+        emulation = None
+        if self._policy is not None:
+            emulation = {
+                "autocast_policy": "CUDA autocast op table, torch 2.13 (aten/src/ATen/autocast_mode.h)",
+                "unknown_cuda_autocast_ops": list(self._policy.unknown_ops),
+                "table_ops_not_registered": list(self._policy.stale_ops),
+                "gemm_ops": "computed in fp32 from rounded inputs, rounded once (in the autocast kernels)",
+                "kernels": self._policy.kernels,
+                "dispatch_mode_used": self._use_gemm_mode,
+                "fp32_fallback_ops": sorted(self._gemm.fallback_ops),
+                "known_gaps": list(KNOWN_GAPS),
+            }
+        return CaptureResult(
+            mode=self.config.mode,
+            device=self.config.device,
+            formats=self.config.formats,
+            training=self.training,
+            layers=layers,
+            reference=self.reference,
+            runs=dict(self.runs),
+            grad_all=self.grad_all,
+            step_times_s=dict(self.step_times),
+            emulation=emulation,
+            warnings=list(self.warnings) + self._draw_warnings(),
+            memory=dict(self.memory),
+            traces=dict(self.traces),
+        )
+
