@@ -94,6 +94,7 @@ class Fp8Result:
     history_steps: int
     notes: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    reference_outputs: list[torch.Tensor] = field(default_factory=list, repr=False)  # FP32 model outputs
 
 
 @dataclass
@@ -210,7 +211,7 @@ def _measure(model, forward, loss_of, names, state, seed, history_steps) -> Fp8R
         except Exception as e:  # the model fails under the recipe: reported, not fatal
             losses[rname] = None
             errors[rname] = f"{type(e).__name__}: {e}"
-    return Fp8Result(names, loss_fp32, losses, out_err, list(layers.values()), history_steps, notes, errors)
+    return Fp8Result(names, loss_fp32, losses, out_err, list(layers.values()), history_steps, notes, errors, ref_out)
 
 
 def _local(m: torch.nn.Linear, c: _Call, st: Fp8State, res: RecipeLayerResult) -> None:
