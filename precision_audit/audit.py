@@ -38,6 +38,7 @@ from .capture.noise import measure_noise_floor
 from .capture.runner import CaptureConfig, CaptureSession
 from .errors import SEED_MAX, SEED_MIN, AuditError, ModelRunError, OptionError
 from .formats import CAPTURE_FORMATS, LOW_PRECISION_DTYPES, Format, parse_formats
+from .fp8.audit import SKIP_REASON as FP8_SKIP_REASON, fp8_stage, requested as fp8_requested
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
 from .loading import (Batch, LossSpec, ModelSource, check_trainable, load_batch, load_model, output_structure,
@@ -252,14 +253,15 @@ def _select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, 
         if f is Format.FP32:
             continue  # the reference always runs
         if f not in CAPTURE_FORMATS:
-            skipped.append({"format": f.value, "reason": f"not measured: {f} runs are not built yet in this version"})
+            skipped.append({"format": f.value, "reason": FP8_SKIP_REASON if fp8_requested((f,)) else
+                            f"not measured: {f} runs are not built yet in this version"})
         elif not target.supports(f.value):
             skipped.append({"format": f.value,
                             "reason": f"not a candidate: {target.name} (compute capability {target.cc_string}) "
                                       f"has no {f} Tensor Cores"})
         else:
             chosen.append(f)
-    if not chosen and opts.formats:
+    if not chosen and opts.formats and not fp8_requested(opts.formats):
         raise OptionError(
             f"none of the formats asked for can be audited on {target.name}",
             found=", ".join(f"{s['format']} ({s['reason']})" for s in skipped),
@@ -470,6 +472,11 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
                                           planner_result, noise, say)
         plan = chosen.plan
         policy = _policy(model, fp, n_modules, target, plan, analysis)
+    fp8_section = None
+    if fp8_requested(opts.formats):  # issue 16: FP8 recipes per linear layer (precision_audit/fp8/, docs/fp8.md)
+        fp8_section, fp8_plan = fp8_stage(model, forward, loss_of, target, opts.budget, device=device, seed=opts.seed,
+                                          say=say)
+        policy.extra["fp8"] = fp8_plan.to_dict()
     safe = [f.value for f, s in analysis.summaries.items() if s.safe]
     exit_code = 0 if (safe or not formats) else 1
 
@@ -530,6 +537,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
         + _rnn_warning(model, mode)
         # FP32's own non-finite values: said once, and (analysis/findings.py) not held against any format
         + ([analysis.fp32_nonfinite.describe()] if analysis.fp32_nonfinite.any else []),
+        **({"fp8": fp8_section} if fp8_section is not None else {}),
     }
     return AuditComputation(audit=clean(audit), policy=policy, exit_code=exit_code, analysis=analysis, plan=plan,
                             capture=capture, model=model)
