@@ -29,9 +29,8 @@ import torch
 from ..capture.records import float_tensors
 from ..capture.runner import ModelState
 from ..capture.stats import ErrorStats
-from . import quant as Q
 from .linear import Fp8State, OperandStats, fp8_linear, patched
-from .recipes import DEFAULT_RECIPES, GEMMS, OPERANDS, RECIPES, Recipe
+from .recipes import DEFAULT_RECIPES, RECIPES, Recipe
 
 log = logging.getLogger(__name__)
 
