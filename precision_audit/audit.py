@@ -42,6 +42,8 @@ from .capture.records import CaptureResult
 from .capture.runner import CaptureConfig, CaptureSession
 from .errors import ModelRunError, OptionError
 from .formats import Format
+from .fp8.audit import fp8_stage
+from .fp8.audit import requested as fp8_requested
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
 from .loading import (Batch, LossSpec, ModelSource, check_trainable, load_batch, load_model, output_structure,
@@ -372,6 +374,10 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
                                       plan_verifier(session, noise, analysis.reference_loss), make_policy, say)
         policy = make_policy(chosen.plan)
     record = _record(opts, setup, subject, run, capture, noise, analysis, perf, chosen, fp, n_modules)
+    if fp8_requested(opts.formats):  # issue 16: FP8 recipes per linear layer (precision_audit/fp8/, docs/fp8.md)
+        record.fp8, fp8_plan = fp8_stage(model, run.forward, run.loss_of, setup.target, opts.budget,
+                                         device=setup.device, seed=opts.seed, say=say)
+        policy.extra["fp8"] = fp8_plan.to_dict()
     return AuditComputation(record=record, policy=policy, exit_code=record.verdict.exit_code, analysis=analysis,
                             plan=chosen.plan, capture=capture, model=model)
 

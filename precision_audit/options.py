@@ -15,6 +15,8 @@ from .analysis.findings import Budget
 from .capture.compiled import KERNEL_CHOICES
 from .errors import SEED_MAX, SEED_MIN, OptionError
 from .formats import CAPTURE_FORMATS, Format, parse_formats
+from .fp8.audit import SKIP_REASON as FP8_SKIP_REASON
+from .fp8.audit import requested as fp8_requested
 from .gpus import GpuSpec
 from .hardware import HardwareInfo
 
@@ -149,14 +151,15 @@ def select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, .
         if f is Format.FP32:
             continue  # the reference always runs
         if f not in CAPTURE_FORMATS:
-            skipped.append({"format": f.value, "reason": f"not measured: {f} runs are not built yet in this version"})
+            skipped.append({"format": f.value, "reason": FP8_SKIP_REASON if fp8_requested((f,)) else
+                            f"not measured: {f} runs are not built yet in this version"})
         elif not target.supports(f.value):
             skipped.append({"format": f.value,
                             "reason": f"not a candidate: {target.name} (compute capability {target.cc_string}) "
                                       f"has no {f} Tensor Cores"})
         else:
             chosen.append(f)
-    if not chosen and opts.formats:
+    if not chosen and opts.formats and not fp8_requested(opts.formats):
         raise OptionError(
             f"none of the formats asked for can be audited on {target.name}",
             found=", ".join(f"{s['format']} ({s['reason']})" for s in skipped),

@@ -23,6 +23,8 @@ Export a precision-audit policy to the settings another training stack reads:
   lightning   Python: Trainer precision / MixedPrecision plugin with the policy's GradScaler + per-module part
   accelerate  Python: Accelerator(mixed_precision=..., GradScalerKwargs) + per-module part
   fsdp        Python: FSDP MixedPrecision / FSDP2 MixedPrecisionPolicy, per-module units, ShardedGradScaler
+  torchao     Python: convert_to_float8_training of the policy's FP8 modules, one config per recipe
+  torchtitan  TOML: [float8] recipe_name and filter_fqns (the linears kept in high precision)
 Each output says what the target cannot express (e.g. DeepSpeed has no per-module formats).
 """
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from ..errors import OptionError
 from .schema import Policy
 
-EXPORT_TARGETS = ("deepspeed", "lightning", "accelerate", "fsdp")
+EXPORT_TARGETS = ("deepspeed", "lightning", "accelerate", "fsdp", "torchao", "torchtitan")
 
 _TORCH_DTYPE = {"fp32": "torch.float32", "tf32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 _LIGHTNING = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -374,6 +374,16 @@ def _fsdp(policy: Policy, policy_path: str) -> Export:
 _EXPORTERS: dict[str, Callable[[Policy, str], Export]] = {
     "deepspeed": _deepspeed, "lightning": _lightning, "accelerate": _accelerate, "fsdp": _fsdp,
 }
+
+
+def _fp8_exporter(to: str) -> Callable[[Policy, str], Export]:
+    def export(policy: Policy, policy_path: str) -> Export:
+        from ..fp8 import export as fp8_export  # the policy's fp8 modules (issue 16, docs/fp8.md)
+        return getattr(fp8_export, f"export_{to}")(policy, policy_path)
+    return export
+
+
+_EXPORTERS.update({"torchao": _fp8_exporter("torchao"), "torchtitan": _fp8_exporter("torchtitan")})
 
 
 def export_policy(policy: Policy, to: str, *, policy_path: str = "policy.json") -> Export:

@@ -263,6 +263,8 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
     memory = audit.get("memory")
     view["memory"] = _memory_view(memory) if isinstance(memory, Mapping) and memory else None
     view["memory_note"] = _note(audit, "memory", "not measured: this audit.json has no memory figures")
+    from ..fp8.report import fp8_view  # the FP8 section (issue 16, docs/fp8.md)
+    view["fp8"] = fp8_view(audit)
 
     # Policy text, embedded three ways: shown, as a JSON data block, and as a download link.
     if policy is not None:

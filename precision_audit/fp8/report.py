@@ -1,0 +1,61 @@
+"""The report's FP8 section, from audit.json's ``fp8`` section (docs/fp8.md): per layer and recipe the local error
+and whether it meets the budget, saturation and flush shares, estimated speedup, and the plan's choice; the planned
+FP8 share of GEMM FLOPs with its estimated speedup; torchao's auto_filter verdict beside ours."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _num(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _cell(rec: Mapping[str, Any], cost: Mapping[str, Any] | None) -> dict[str, Any]:
+    local = rec.get("local", {}).get("output") or {}
+    errs = [e for e in (_num(local.get("rel_l2")), _num(rec.get("local_per_token_rel_l2"))) if e is not None]
+    ops = rec.get("operands") or {}
+    sat = max((_num(o.get("saturated_share")) or 0.0 for o in ops.values() if isinstance(o, Mapping)), default=0.0)
+    flush = max((_num(o.get("flushed_share")) or 0.0 for o in ops.values() if isinstance(o, Mapping)), default=0.0)
+    stale = rec.get("stale_steps") or {}
+    stale_n = sum(len(v) for v in stale.values() if isinstance(v, list)) if isinstance(stale, Mapping) else 0
+    return {"error": max(errs) if errs else None, "ok": bool(rec.get("meets_budget")), "saturated": sat,
+            "flushed": flush, "stale": stale_n if stale else None,
+            "speedup": _num(cost.get("speedup_vs_bf16")) if isinstance(cost, Mapping) else None}
+
+
+def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The template's view of ``audit["fp8"]``; None when absent or not as the tool writes it."""
+    f = audit.get("fp8")
+    if not isinstance(f, Mapping):
+        return None
+    try:
+        recipes = [r for r in f.get("recipes", {}) if isinstance(r, str)]
+        plan = f.get("plan") if isinstance(f.get("plan"), Mapping) else {}
+        pmods = plan.get("modules", {}) if isinstance(plan.get("modules"), Mapping) else {}
+        auto = f.get("torchao_auto_filter") if isinstance(f.get("torchao_auto_filter"), Mapping) else {}
+        rows = []
+        for L in f.get("layers", []):
+            name = str(L.get("name"))
+            pm = pmods.get(name, {}) if isinstance(pmods.get(name), Mapping) else {}
+            cost = pm.get("cost", {}) if isinstance(pm.get("cost"), Mapping) else {}
+            cells = {r: _cell(L["recipes"][r], cost.get(r)) for r in recipes if r in L.get("recipes", {})}
+            af = auto.get(name, {}) if isinstance(auto.get(name), Mapping) else {}
+            rows.append({"name": name, "shape": f"{L.get('in_features')}→{L.get('out_features')}",
+                         "tokens": L.get("tokens"), "cells": cells, "recipe": pm.get("recipe"),
+                         "reason": str(pm.get("reason", "")),
+                         "auto_filter": ", ".join(f"{k.removeprefix('fp8_')}: {'convert' if v else 'skip'}"
+                                                  for k, v in af.items() if v is not None)})
+        return {"recipes": recipes, "rows": rows, "budget": _num((f.get("budget") or {}).get("max_local_rel_error")),
+                "share": _num(plan.get("fp8_flop_share")),
+                "speedup": _num(plan.get("estimated_linear_speedup_vs_bf16")),
+                "target": (f.get("target") or {}).get("name"), "notes": [str(n) for n in f.get("notes", [])],
+                "plan_note": f.get("plan_note")}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a hand-edited audit.json: no section
+        log.warning("the fp8 section of audit.json is not as precision-audit writes it (%s): not shown", e)
+        return None
