@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from precision_audit.cli_export import export_main
+from precision_audit.cli.export import export_main
 from precision_audit.policy import LossScaling, Policy, fingerprint, model_layout
 from precision_audit.policy.exporters import EXPORT_TARGETS, export_policy
 from precision_audit.policy.io import dumps_policy
