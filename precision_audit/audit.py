@@ -386,9 +386,10 @@ def load_subject(opts: AuditOptions) -> Subject:
 
 
 def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
-                  subject: Subject | None = None) -> AuditComputation:
+                  subject: Subject | None = None, session_factory: Callable[..., Any] | None = None) -> AuditComputation:
     """The audit without the outputs: load (unless ``subject`` is given), capture, analyse, plan; returns
-    audit.json's content."""
+    audit.json's content. ``session_factory`` replaces :class:`CaptureSession` (the distributed audit's, which
+    reduces each pass across ranks: precision_audit/distributed/session.py)."""
     say = progress or (lambda msg: None)
 
     if subject is None:
@@ -424,7 +425,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
 
     config = CaptureConfig(formats=formats, device=device, mode=mode, seed=opts.seed, timed_steps=steps,
                            kernels=kernels)
-    with CaptureSession(model, forward, loss_of, config, progress=say) as session:
+    with (session_factory or CaptureSession)(model, forward, loss_of, config, progress=say) as session:
         say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
         session.reference_run()
         fp16_scale = 1.0

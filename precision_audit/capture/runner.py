@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from ..distributed.tensors import local_tensor, owned_part
 from ..errors import AuditError, ModelRunError, NumericsError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..outputs import _NoInterrupt
@@ -313,7 +314,7 @@ class CaptureSession:
             self._prepared = True
             self._state.prepare()
             self._param_versions = [p._version for p in self.model.parameters()]
-            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            self._param_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in self.model.parameters()}
             if self.config.mode == "emulated":
                 self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
             self._install_hooks()
@@ -776,12 +777,12 @@ class CaptureSession:
                     rec.grad_param_tied.merge(seen[id(p)])
                     continue
                 h = MagnitudeHistogram()
-                h.update(p.grad)
+                h.update(owned_part(p.grad))  # a rank's share in a distributed audit (docs/distributed.md)
                 seen[id(p)] = h
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
                 if h.nonfinite:
-                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(p.grad.detach())
+                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(owned_part(p.grad).detach())
         self._clone_cache.clear()
         self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
@@ -847,7 +848,7 @@ class CaptureSession:
 
     def _grad_nonfinite(self, p: torch.Tensor) -> tuple[int, int]:
         """(non-finite gradient elements of ``p`` where FP32's is finite, those where FP32's is not finite too)."""
-        bad = ~torch.isfinite(p.grad.detach())
+        bad = ~torch.isfinite(owned_part(p.grad).detach())
         ref = self._ref_grad_nonfinite.get(id(p))
         if ref is None or ref.shape != bad.shape:
             return int(bad.sum()), 0

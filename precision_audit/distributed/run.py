@@ -1,0 +1,193 @@
+"""One rank of a distributed audit (``torchrun -m precision_audit ...`` or ``precision-audit ... --nproc N``).
+
+Every rank loads the model file and the global batch, keeps its share of the batch (precision_audit/distributed/
+batch.py), applies the parallelism (shard.py) and runs the ordinary audit (audit.py's ``compute_audit``) with a
+capture session that reduces each pass's statistics across ranks (session.py). Every rank then holds the same
+global statistics and takes the same decisions; rank 0 alone writes the outputs, all or nothing as in one process.
+
+Failures (docs/distributed.md, "Failures"): an error while loading or splitting is agreed on before any rank
+starts computing, and rank 0 prints the first failing rank's message. An error later on one rank (an exception
+in its forward) ends that process at once with its message, naming the rank; its peers' collectives then fail,
+they end without a message of their own, and the launcher stops whatever is left. The exit code is the
+failing rank's (2 for a user error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import signal
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError
+
+log = logging.getLogger(__name__)
+
+_FAILED_KEY = "precision_audit/failed"
+#: How long a collective may wait for a peer: a peer that died is noticed at once (its connections close);
+#: this only bounds a peer that hangs.
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _first_failure() -> bool:
+    """True for the first rank to fail (counted in the launcher's store, which outlives the ranks)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return int(store.add(_FAILED_KEY, 1)) == 1
+    except Exception:  # no store (the group is gone): say it rather than stay silent
+        return True
+
+
+def _others_failed() -> bool:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return int(store.add(_FAILED_KEY, 0)) > 0
+    except Exception:
+        return False
+
+
+def _end(code: int) -> None:
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def run_rank(opts: Any, shard: str | None, progress: Any, verbose: bool = False) -> Any:
+    """Run this rank's part of the audit. Returns the saved result on rank 0, the exit code on the others (which
+    print nothing); a failure ends the process with its exit code (module docstring)."""
+    from ..outputs import check_out_dir
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = _device(opts)
+    signal.signal(signal.SIGTERM, _terminated)  # the launcher stops the ranks with SIGTERM: unwind cleanly
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=TIMEOUT)
+    try:
+        # 1. load and split, then agree: nobody starts computing unless every rank could load its share
+        problem: tuple[int, str, int] | None = None
+        try:
+            if rank == 0:
+                check_out_dir(opts.out, ("tb", "tb/audit"))
+            loaded = _load(opts, rank, world)
+        except AuditError as e:
+            problem = (rank, e.message, e.exit_code)
+        problems: list[Any] = [None] * world
+        dist.all_gather_object(problems, problem)
+        failed = [p for p in problems if p is not None]
+        if failed:
+            r, message, code = failed[0]
+            if rank == 0:
+                _say(f"precision-audit: error (rank {r} of {world}): {message}")
+            dist.destroy_process_group()
+            _end(code)
+        return _audit(opts, shard, progress, rank, world, device, *loaded)
+    except KeyboardInterrupt:
+        _end(EXIT_INTERRUPTED)  # the launcher says it, once
+    except AuditError as e:
+        if _first_failure():
+            _say(f"precision-audit: error (rank {rank} of {world}): {e.message}")
+        _end(e.exit_code)
+    except Exception as e:
+        if _others_failed():  # a collective broke because another rank ended: its message is the one
+            log.info("rank %d: stopping, another rank failed (%s)", rank, e)
+            _end(2)
+        if _first_failure():
+            if verbose:
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+            text = " ".join(str(e).split())[:300]
+            _say(f"precision-audit: internal error (rank {rank} of {world}, exit {EXIT_INTERNAL}): "
+                 f"{type(e).__name__}: {text}" + ("" if verbose else "; run again with --verbose to see the traceback"))
+        _end(EXIT_INTERNAL)
+    return None
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _device(opts: Any) -> str:
+    if opts.device == "cuda" or (opts.device == "auto" and not opts.emulate and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    return "cpu"
+
+
+def _load(opts: Any, rank: int, world: int) -> tuple[Any, Any, Any]:
+    from ..loading import check_trainable, load_model
+    from .batch import rank_share
+
+    model, source = load_model(opts.model)
+    check_trainable(model, source)
+    share = rank_share(opts.batch, model, source, rank, world)
+    return model, source, share
+
+
+def _audit(opts: Any, shard: str | None, progress: Any, rank: int, world: int, device: str, model: Any,
+           source: Any, share: Any) -> Any:
+    from ..audit import Subject, compute_audit, result_of
+    from . import shard as sharding
+    from .session import DistributedCaptureSession, Untracked
+    from .tensors import set_replicated_owner
+
+    weight = share.weight
+    if share.global_size is None:  # sample_batch(rank, world_size): weights from every rank's sample count
+        sizes = torch.tensor([share.local_size], dtype=torch.int64)
+        dist.all_reduce(sizes)
+        weight = share.local_size / int(sizes)
+    if device.startswith("cuda"):
+        model.to(device)
+    sharded = sharding.apply(model, source, shard, device)
+    untracked = Untracked()
+    untracked.install(sharded.model)
+    set_replicated_owner(rank)
+    factory = partial(DistributedCaptureSession, run_module=sharded.run_module, weight=weight, untracked=untracked,
+                      original_types=sharded.original_types)
+    try:
+        c = compute_audit(opts, progress if rank == 0 else None,
+                          subject=Subject(sharded.model, source, share.batch), session_factory=factory)
+    finally:
+        set_replicated_owner(None)
+        untracked.remove()
+    c.audit["distributed"] = {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "parallelism": sharded.how,
+        "batch": share.how.replace(f" on rank {rank}", " on each rank" if share.global_size else f" on rank {rank}"),
+        "global_batch_size": share.global_size,
+        "per_rank_batch_size": share.local_size if share.global_size else None,
+        "reduced": "per-layer statistics summed over ranks (counts, histograms, error sums), maxima maxed, the loss "
+                   "weighted by each rank's share of the batch; shapes, op counts, memory and time estimates are "
+                   "one rank's (its share of the batch)",
+    }
+    code = torch.tensor([c.exit_code], dtype=torch.int64)
+    dist.broadcast(code, 0)
+    if rank != 0:
+        dist.barrier()
+        dist.destroy_process_group()
+        return int(code)
+    try:
+        result = result_of(c)
+        result.save(opts.out)
+    finally:
+        dist.barrier()  # the others wait for the outputs (and end if rank 0 failed writing them)
+        dist.destroy_process_group()
+    return result
