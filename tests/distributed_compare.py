@@ -20,7 +20,10 @@ PER_RANK = {"batch", "estimates", "memory", "alignment", "output_shapes", "estim
 
 #: figures computed from the loss, a float32 number in both audits whose last bit depends on the order of the
 #: batch mean's sum: compared with an absolute tolerance of 1e-6 on the relative change (docs/distributed.md)
-LOSS_DERIVED = ("loss_rel_change", "predicted_loss", "factor", "measured_loss_rel_change", "first_order")
+LOSS_DERIVED = ("loss_rel_change", "predicted_loss", "measured_loss_rel_change", "first_order")
+#: parameter gradients are sums over the batch, added across ranks in another order than one process's GEMM: a
+#: value at a rounding threshold may land on its other side (tiny_gpt: 1 element of 429,376 at loss scale 2^17)
+PARAMETER_FRACTIONS = ("gradient.parameters", "loss_scale.flushed_fraction", "loss_scale.overflow_fraction")
 
 
 def _text(s: str) -> str:
@@ -34,7 +37,8 @@ def differences(a: Any, b: Any, rel: float = 1e-6, path: str = "", skip: frozens
     out: list[str] = []
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
-            if k in VOLATILE or k in PER_RANK or k in skip:
+            if k in VOLATILE or k in PER_RANK or k in skip or (k == "factor" and ".calibration" in path):
+                # calibration factor = measured loss change / first-order sum, both compared on their own
                 continue
             if k not in a or k not in b:
                 out.append(f"{path}.{k}: only in {'first' if k in a else 'second'}")
@@ -59,7 +63,8 @@ def differences(a: Any, b: Any, rel: float = 1e-6, path: str = "", skip: frozens
         loss_derived = any(k in path.rsplit(".", 1)[-1] for k in LOSS_DERIVED)
         if not (fa == fb or (math.isnan(fa) and math.isnan(fb))
                 or abs(fa - fb) <= rel * max(abs(fa), abs(fb))
-                or (loss_derived and _loss_close(path, fa, fb))):
+                or (loss_derived and _loss_close(path, fa, fb))
+                or (any(p in path for p in PARAMETER_FRACTIONS) and abs(fa - fb) <= 1e-4)):
             out.append(f"{path}: {a!r} vs {b!r} (rel {abs(fa - fb) / max(abs(fa), abs(fb)):.2e})")
     elif a != b:
         out.append(f"{path}: {a!r} vs {b!r}")

@@ -167,13 +167,17 @@ def _audit(opts: Any, shard: str | None, progress: Any, rank: int, world: int, d
     finally:
         set_replicated_owner(None)
         untracked.remove()
+    root_class = sharded.original_types.get("", type(model).__name__)  # fully_shard renames it FSDP<class>
+    c.audit["model"]["class"] = root_class
+    c.policy = dataclasses.replace(c.policy, model_class=root_class)
     c.audit["distributed"] = {
         "world_size": world,
         "backend": dist.get_backend(),
         "parallelism": sharded.how,
-        "batch": share.how.replace(f" on rank {rank}", " on each rank" if share.global_size else f" on rank {rank}"),
+        "batch": (share.how.replace(f" on rank {rank}", " on each rank") if share.global_size else
+                  "sample_batch(rank, world_size) in the model file: each rank's share"),
         "global_batch_size": share.global_size,
-        "per_rank_batch_size": share.local_size if share.global_size else None,
+        "rank0_batch_size": share.local_size,
         "reduced": "per-layer statistics summed over ranks (counts, histograms, error sums), maxima maxed, the loss "
                    "weighted by each rank's share of the batch; shapes, op counts, memory and time estimates are "
                    "one rank's (its share of the batch)",

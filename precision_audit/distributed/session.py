@@ -74,6 +74,11 @@ class DistributedCaptureSession(CaptureSession):
         super().__init__(model, forward_through_wrapper, global_loss, config, progress)
         self.group = group
         self._impact_log: list[tuple[Any, Format, float]] = []
+        # module outputs that are the same tensor on every rank (computed from no sample: a position embedding's
+        # output): counted once (rank 0) and their gradients summed over ranks, see _replicated()
+        self._same_everywhere: dict[tuple, bool] = {}
+        self._pending_flags: list[bool] = []
+        self._rank = dist.get_rank(group)
         self._format_depth = 0
         self._noise_patch = contextlib.ExitStack()
         self._original_types = dict(original_types or {})  # before fully_shard swapped the classes
@@ -98,17 +103,69 @@ class DistributedCaptureSession(CaptureSession):
         finally:
             self._noise_patch.close()
 
+    # -- tensors that are not split along the batch ----------------------------------------------------------
+    def _replicated(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` holds the same values on every rank: a tensor computed from no sample of the batch (a
+        position embedding's output, a causal mask). Its statistics are rank 0's alone, and the gradient flowing
+        into it is the sum of every rank's. All-zero tensors count as per-sample (a zero-initialised layer's
+        output is zero for every sample). A collective: called at the same point of every rank's pass."""
+        key = self._tensor_key(t)
+        hit = self._same_everywhere.get(key)
+        if hit is not None:
+            return hit
+        x = t.detach().reshape(-1).to(torch.float64)
+        finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+        idx = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+        sig = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+                           finite.sum(), (finite * finite).sum(), (finite * idx).sum(),
+                           (~torch.isfinite(x)).sum().to(torch.float64)]).cpu()
+        lo, hi = sig.clone(), sig.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+        same = bool(torch.equal(lo, hi)) and bool(hi[2] > 0)
+        self._same_everywhere[key] = same
+        return same
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._same_everywhere.clear()
+
+    def _cached(self, kind: str, tensors: tuple, make: Callable[[], Any]) -> Any:
+        if self._phase is not None and self._rank != 0 and self._replicated(tensors[-1]):
+            return make()  # counted by rank 0 only: this rank adds nothing
+        return super()._cached(kind, tensors, make)
+
+    def _post_hook_body(self, m, args, kwargs, output) -> None:  # noqa: ANN001 - the runner's signature
+        from ..capture.records import float_tensors
+
+        self._pending_flags = [self._replicated(y) for y in float_tensors(output) if y.requires_grad]
+        super()._post_hook_body(m, args, kwargs, output)
+
+    def _local_rerun(self, m, rec, args, kwargs, ys, pre_rng):  # noqa: ANN001 - the runner's signature
+        if ys and all(self._replicated(y) for y in ys) and self._rank != 0:
+            saved = {f: copy.deepcopy(fs.local) for f, fs in rec.formats.items()}
+            diffs = super()._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+            for f, fs in rec.formats.items():
+                if fs.local is not None and f in saved:
+                    fs.local = saved[f] if saved[f] is not None else ErrorStats()
+            return diffs
+        return super()._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+
     # -- per-call loss impacts, reduced before their absolute value ------------------------------------------
     def _grad_hook(self, rec, diffs=None, own=None):  # noqa: ANN001 - the runner's signature
         inner = super()._grad_hook(rec, None, own)
-        if not diffs:
-            return inner
+        replicated = self._pending_flags.pop(0) if self._pending_flags else False
 
         def hook(g: torch.Tensor) -> None:
-            inner(g)
             if g is None:
                 return
-            for f, d in diffs.items():
+            if replicated:  # the gradient into a tensor every rank shares: the sum of every rank's
+                total = g.detach().clone()
+                dist.all_reduce(total, group=self.group)
+                inner(total if self._rank == 0 else total.new_empty((0,)))
+            else:
+                inner(g)
+            for f, d in (diffs or {}).items():
                 self._impact_log.append((rec, f, float((g.detach().double() * d.double()).sum())))
         return hook
 

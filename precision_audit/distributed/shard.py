@@ -95,6 +95,7 @@ def _sum_gradients(model: torch.nn.Module, run: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM nor AVG)
     if isinstance(run, DDP):
         try:
             run.register_comm_hook(None, _sum_hook)
