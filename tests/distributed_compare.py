@@ -15,7 +15,8 @@ VOLATILE = {"created", "hardware", "options", "distributed", "traces", "tool", "
 #: one rank's share of the batch: shapes, op counts and what is estimated from them (memory, time, alignment)
 PER_RANK = {"batch", "estimates", "memory", "alignment", "output_shapes", "estimated_step_time_s", "time",
             "step_time_s", "speedup_vs_fp32", "cost", "flops", "saved_bytes", "est_time_s", "performance",
-            "measured_time_s", "step_times_s", "timing", "estimated", "step_time", "output_structure"}
+            "measured_time_s", "step_times_s", "timing", "estimated", "step_time", "output_structure",
+            "alignment_note"}
 
 
 #: figures computed from the loss, a float32 number in both audits whose last bit depends on the order of the

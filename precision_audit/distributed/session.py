@@ -44,6 +44,39 @@ class _GlobalLoss(torch.autograd.Function):
         return grad, None
 
 
+_GLOBAL_MARK = "_precision_audit_global"
+
+
+def _globalize_scalars(out: Any, weight: float, group: Any) -> Any:
+    """The model's own scalar outputs (a Hugging Face model's ``loss``), each a mean over this rank's samples,
+    replaced by the global batch's value (weighted sum over ranks; the backward passes through unchanged)."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        g = _GlobalLoss.apply(t * weight if weight != 1.0 else t, group)
+        setattr(g, _GLOBAL_MARK, True)
+        return g
+
+    if isinstance(out, torch.Tensor):
+        return one(out) if out.dim() == 0 and out.is_floating_point() else out
+    if isinstance(out, dict):
+        for k in list(out.keys()):
+            v = out[k]
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+                out[k] = one(v)
+        return out
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_globalize_scalars(v, weight, group) if isinstance(v, torch.Tensor) else v for v in out)
+    return out
+
+
+def _is_global(t: torch.Tensor) -> bool:
+    """A tensor marked by :func:`_globalize_scalars`, or a view of one (``loss.float().reshape(())``)."""
+    while t is not None:
+        if getattr(t, _GLOBAL_MARK, False):
+            return True
+        t = t._base  # type: ignore[assignment]
+    return False
+
+
 class _ReducedErrorStats(ErrorStats):
     """noise.py's per-call error sums, whose ratios are taken over every rank's sums (installed for the session)."""
 
@@ -69,7 +102,11 @@ class DistributedCaptureSession(CaptureSession):
 
         def global_loss(out: Any) -> torch.Tensor:
             local = loss_of(out)
+            if _is_global(local):  # the model's own loss (or a view of it), made global at its output already
+                return local
             return _GlobalLoss.apply(local * weight if weight != 1.0 else local, group)
+
+        self._weight = weight
 
         super().__init__(model, forward_through_wrapper, global_loss, config, progress)
         self.group = group
@@ -87,6 +124,10 @@ class DistributedCaptureSession(CaptureSession):
 
     # -- context: noise.py's error ratios over every rank --------------------------------------------------
     def __enter__(self) -> "DistributedCaptureSession":
+        # before the session's own hooks: they must see the global loss the model returns
+        self._globalizer = self.model.register_forward_hook(
+            lambda m, args, out: _globalize_scalars(out, self._weight, self.group))
+        self._noise_patch.callback(self._globalizer.remove)
         patched = type("ReducedErrorStats", (_ReducedErrorStats,), {"group": self.group})
         saved = _noise.ErrorStats
         _noise.ErrorStats = patched
@@ -131,14 +172,19 @@ class DistributedCaptureSession(CaptureSession):
         self._same_everywhere.clear()
 
     def _cached(self, kind: str, tensors: tuple, make: Callable[[], Any]) -> Any:
-        if self._phase is not None and self._rank != 0 and self._replicated(tensors[-1]):
+        # _replicated first, on every rank: it is a collective
+        if self._phase is not None and self._replicated(tensors[-1]) and self._rank != 0:
             return make()  # counted by rank 0 only: this rank adds nothing
         return super()._cached(kind, tensors, make)
 
     def _post_hook_body(self, m, args, kwargs, output) -> None:  # noqa: ANN001 - the runner's signature
         from ..capture.records import float_tensors
 
-        self._pending_flags = [self._replicated(y) for y in float_tensors(output) if y.requires_grad]
+        # per output that will get a gradient hook: "global" (the model's loss made global: dL/dL is the same on
+        # every rank, rank 0 counts it), "sum" (a tensor every rank shares: gradients summed), "local"
+        self._pending_flags = ["global" if getattr(y, _GLOBAL_MARK, False) else
+                               "sum" if self._replicated(y) else "local"
+                               for y in float_tensors(output) if y.requires_grad]
         super()._post_hook_body(m, args, kwargs, output)
 
     def _local_rerun(self, m, rec, args, kwargs, ys, pre_rng):  # noqa: ANN001 - the runner's signature
@@ -154,15 +200,18 @@ class DistributedCaptureSession(CaptureSession):
     # -- per-call loss impacts, reduced before their absolute value ------------------------------------------
     def _grad_hook(self, rec, diffs=None, own=None):  # noqa: ANN001 - the runner's signature
         inner = super()._grad_hook(rec, None, own)
-        replicated = self._pending_flags.pop(0) if self._pending_flags else False
+        kind = self._pending_flags.pop(0) if self._pending_flags else "local"
 
         def hook(g: torch.Tensor) -> None:
             if g is None:
                 return
-            if replicated:  # the gradient into a tensor every rank shares: the sum of every rank's
+            if kind == "sum":  # the gradient into a tensor every rank shares: the sum of every rank's
                 total = g.detach().clone()
                 dist.all_reduce(total, group=self.group)
                 inner(total if self._rank == 0 else total.new_empty((0,)))
+            elif kind == "global":  # dL/dL of the model's own (global) loss: rank 0's alone, kept apart there
+                if self._rank == 0:
+                    inner(g)
             else:
                 inner(g)
             for f, d in (diffs or {}).items():
