@@ -21,7 +21,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[test])")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_compare import differences  # noqa: E402
+from precision_audit.distributed.compare import differences  # noqa: E402
 from test_distributed_audit import audit  # noqa: E402
 
 MODEL = '''

@@ -1,4 +1,4 @@
-"""Compare a distributed audit.json with the single-process one of the same global batch (tests only).
+"""Compare a distributed audit.json with the single-process one of the same global batch (tests, bench).
 
 Exact for integers and strings; floats within ``rel`` relative (issue 15: "exact counts equal, error metrics
 within 1e-6 relative"). Keys describing the run rather than the model's numerics are skipped (VOLATILE) and so
