@@ -131,14 +131,55 @@ def _device(opts: Any) -> str:
     return "cpu"
 
 
+def on_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
 def _load(opts: Any, rank: int, world: int) -> tuple[Any, Any, Any]:
+    from ..errors import ModelLoadError
     from ..loading import check_trainable, load_model
     from .batch import rank_share
 
     model, source = load_model(opts.model)
-    check_trainable(model, source)
+    if on_meta(model):  # built on the meta device: materialised shard by shard after sharding (_materialise)
+        if not callable(vars(source.module).get("init_weights")):
+            raise ModelLoadError(
+                f"the model built by {source.attribute} in {source.where} is on the meta device (no values) and "
+                "the file defines no init_weights(model)",
+                expected="def init_weights(model): ... that fills the parameters and buffers in place once the "
+                         "audit has sharded the model and given each rank its shard",
+                hint="define init_weights(model) in the model file (e.g. calling reset_parameters() on each "
+                     "module), or build the model on a real device")
+    else:
+        check_trainable(model, source)
     share = rank_share(opts.batch, model, source, rank, world)
     return model, source, share
+
+
+def _materialise(model: torch.nn.Module, source: Any, device: str) -> None:
+    """Storage for this rank's part of a meta-device model (its FSDP shards, or the whole model under DDP), then
+    the file's ``init_weights(model)``: no rank ever holds more than its part of the parameters."""
+    from ..errors import ModelRunError
+    from ..loading import check_trainable
+
+    model.to_empty(device=device)
+    try:
+        with torch.no_grad():
+            vars(source.module)["init_weights"](model)
+    except Exception as e:
+        raise ModelRunError(f"init_weights(model) in {source.where} raised {type(e).__name__}: {e}",
+                            hint="init_weights receives the sharded model: fill parameters in place "
+                                 "(nn.init.* functions and reset_parameters() work on FSDP2's DTensors)") from e
+    check_trainable(model, source)
+
+
+def _rss() -> tuple[int, int]:
+    """(resident bytes now, peak resident bytes so far) of this process (Linux /proc; zeros elsewhere)."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0, 0
 
 
 def _audit(opts: Any, shard: str | None, progress: Any, rank: int, world: int, device: str, model: Any,
@@ -153,9 +194,17 @@ def _audit(opts: Any, shard: str | None, progress: Any, rank: int, world: int, d
         sizes = torch.tensor([share.local_size], dtype=torch.int64)
         dist.all_reduce(sizes)
         weight = share.local_size / int(sizes)
-    if device.startswith("cuda"):
+    meta = on_meta(model)
+    sharded_first = shard == "fsdp" or "parallelize" in vars(source.module)
+    if meta and not sharded_first:  # DDP replicates: each rank holds the whole model anyway
+        _materialise(model, source, device)
+    elif device.startswith("cuda") and not meta:
         model.to(device)
     sharded = sharding.apply(model, source, shard, device)
+    start_rss, _ = _rss()  # torch.distributed's modules imported, nothing materialised yet (meta)
+    if meta and sharded_first:
+        _materialise(model, source, device)
+    _, loaded_peak = _rss()
     untracked = Untracked()
     untracked.install(sharded.model)
     set_replicated_owner(rank)
@@ -181,6 +230,23 @@ def _audit(opts: Any, shard: str | None, progress: Any, rank: int, world: int, d
         "reduced": "per-layer statistics summed over ranks (counts, histograms, error sums), maxima maxed, the loss "
                    "weighted by each rank's share of the batch; shapes, op counts, memory and time estimates are "
                    "one rank's (its share of the batch)",
+    }
+    _, peak = _rss()
+    param_bytes = sum(p.numel() * p.element_size() for p in sharded.model.parameters())  # global shapes
+    from .tensors import local_tensor
+
+    held = sum(local_tensor(p).numel() * p.element_size() for p in sharded.model.parameters())
+    memory = [None] * world
+    dist.all_gather_object(memory, {"rank": rank, "parameter_bytes_held": held,
+                                    "rss_start_bytes": start_rss, "rss_peak_after_init_bytes": loaded_peak,
+                                    "rss_peak_bytes": peak})
+    c.audit["distributed"]["memory"] = {
+        "model_parameter_bytes": param_bytes,
+        "materialised": "shard by shard from the meta device, then init_weights(model)" if meta else "as built",
+        "ranks": memory,
+        "note": "resident memory of each rank's process (torch itself included): once the model was wrapped or "
+                "sharded (before a meta-device model is materialised), its peak once the model was initialised, "
+                "and its peak over the whole audit",
     }
     code = torch.tensor([c.exit_code], dtype=torch.int64)
     dist.broadcast(code, 0)

@@ -96,6 +96,9 @@ def _sum_gradients(model: torch.nn.Module, run: torch.nn.Module) -> None:
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM nor AVG)
+            # the root too: a forward without backward (the plan's verification) must not leave unsharded
+            # parameters registered on the model between passes
+            m.set_reshard_after_forward(True, recurse=False)
     if isinstance(run, DDP):
         try:
             run.register_comm_hook(None, _sum_hook)
