@@ -166,3 +166,9 @@ def test_ctrl_c_on_the_launcher_exits_130(tmp_path):
     assert p.returncode == 130, err[-2000:]
     assert "interrupted" in err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_shard_without_ranks_is_refused(tmp_path):
+    r = audit(str(SAMPLES / "mlp" / "model.py"), "--out", str(tmp_path / "out"), "--shard", "fsdp", timeout=60)
+    assert r.returncode == 2 and "--shard applies to a distributed audit only" in r.stderr
+    assert not (tmp_path / "out").exists()
