@@ -343,9 +343,11 @@ def load_subject(opts: AuditOptions) -> Subject:
 
 
 def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
-                  subject: Subject | None = None) -> AuditComputation:
+                  subject: Subject | None = None,
+                  session_factory: Callable[..., Any] | None = None) -> AuditComputation:
     """The audit without the outputs: load (unless ``subject`` is given), capture, analyse, plan; returns the
-    record of it (audit.json's content) with the policy."""
+    record of it (audit.json's content) with the policy. ``session_factory`` replaces :class:`CaptureSession`
+    (the distributed audit's, which reduces each pass across ranks: precision_audit/distributed/session.py)."""
     say = progress or (lambda msg: None)
     if subject is None:
         say("loading the model and the batch")
@@ -358,7 +360,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
     config = CaptureConfig(formats=setup.formats, device=setup.device, mode=setup.mode, seed=opts.seed,
                            timed_steps=setup.steps, kernels=setup.kernels)
     model = subject.model
-    with CaptureSession(model, run.forward, run.loss_of, config, progress=say) as session:
+    with (session_factory or CaptureSession)(model, run.forward, run.loss_of, config, progress=say) as session:
         capture, noise = _capture(session, setup, run, say)
         say("analysing")
         analysis = analyse(capture, opts.budget, noise)

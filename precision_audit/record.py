@@ -487,6 +487,9 @@ class AuditRecord(Section):
     warnings: list[str]
     #: FP8 recipes per linear layer, when an FP8 format was asked for (precision_audit/fp8/audit.py, docs/fp8.md).
     fp8: dict[str, Any] | None = field(default=None, metadata={"omit_none": True})
+    #: How a distributed audit ran: ranks, parallelism, the batch split, memory per rank
+    #: (precision_audit/distributed/run.py, docs/distributed.md); absent in a single-process audit.
+    distributed: dict[str, Any] | None = field(default=None, metadata={"omit_none": True})
     #: Added by ``precision-audit verify`` (absent until a policy is verified).
     verify: VerifyResult | None = field(default=None, metadata={"omit_none": True})
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..distributed.tensors import owned_part
 from ..formats import Format
 from .gemm_mode import is_missing_low_precision_kernel
 from .failures import RunFailure
@@ -100,7 +101,7 @@ class FormatPasses:
 
     def _grad_nonfinite(self, p: torch.Tensor) -> tuple[int, int]:
         """(non-finite gradient elements of ``p`` where FP32's is finite, those where FP32's is not finite too)."""
-        bad = ~torch.isfinite(p.grad.detach())
+        bad = ~torch.isfinite(owned_part(p.grad).detach())
         ref = self._ref_grad_nonfinite.get(id(p))
         if ref is None or ref.shape != bad.shape:
             return int(bad.sum()), 0

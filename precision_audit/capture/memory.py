@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import emulation
+from ..distributed.tensors import local_tensor
 
 
 @dataclass
@@ -39,7 +40,7 @@ class SavedTensorCounter:
     def __init__(self, model: torch.nn.Module, current_module: Callable[[], int | None]) -> None:
         self.tally = SavedTally()
         self._current = current_module
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._param_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self._seen: set[int] = set()
         self._hooks = None
         self._counting = False

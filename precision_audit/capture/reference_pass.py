@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..distributed.tensors import owned_part
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
 from .emulation import rounding_registry_paused
@@ -100,12 +101,12 @@ class ReferencePass:
                     rec.grad_param_tied.merge(seen[id(p)])
                     continue
                 h = MagnitudeHistogram()
-                h.update(p.grad)
+                h.update(owned_part(p.grad))  # a rank's share in a distributed audit (docs/distributed.md)
                 seen[id(p)] = h
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
                 if h.nonfinite:
-                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(p.grad.detach())
+                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(owned_part(p.grad).detach())
 
     def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
         """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a

@@ -118,6 +118,9 @@ def _audit_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="SPEC", default="",
                    help="error budget, e.g. loss=0.01,output=0.05, each key at most once (defaults: relative "
                         "loss change 0.01, output relative L2 error 0.05)")
+    from ..distributed import add_options as add_distributed_options  # --nproc, --shard (issue 15)
+
+    add_distributed_options(p)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--verbose", "-v", action="store_true", help="log details to stderr")
@@ -132,6 +135,14 @@ def audit_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from .. import distributed  # torchrun / --nproc (precision_audit/distributed/, README.md "Distributed")
+
+    distributed.check_options(args)
+    if args.nproc and not distributed.launched_by_torchrun():
+        from .main import INTERRUPTED_LINE
+
+        return distributed.launch(argv, args.nproc, args.verbose, INTERRUPTED_LINE)
+    ranked = distributed.launched_by_torchrun()
     from ..audit import AuditOptions, run_audit
     from ..formats import parse_formats
 
@@ -143,8 +154,11 @@ def audit_main(argv: list[str]) -> int:
     from ..report.terminal import Progress, summary_text
 
     # The device running out of memory becomes a user error (a smaller batch) in precision_audit/cli/main.py.
-    with Progress(quiet=args.quiet) as progress, _stdout_to_stderr():
-        result = run_audit(opts, progress)
+    with Progress(quiet=args.quiet or (ranked and os.environ.get("RANK") != "0")) as progress, _stdout_to_stderr():
+        result = (distributed.run_rank(opts, args.shard, progress, args.verbose) if ranked
+                  else run_audit(opts, progress))
+    if isinstance(result, int):  # a rank other than 0: rank 0 prints and writes
+        return result
     try:
         if args.json:
             print(json.dumps({"summary": result.audit["summary"], "verdict": result.audit["verdict"],

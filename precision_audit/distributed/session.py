@@ -1,0 +1,312 @@
+"""The capture session of one rank: the single-process session, with every pass's statistics reduced across ranks.
+
+:class:`DistributedCaptureSession` runs the same passes as :class:`~precision_audit.capture.runner.CaptureSession`
+on this rank's share of the global batch, and after each pass replaces the records that pass wrote with their
+sums over every rank (precision_audit/distributed/reduce.py). Every rank therefore holds the global batch's
+statistics after every pass, takes the same decisions (the FP16 loss scale, the plan and its verification) and so
+stays in step with the others for the next collective.
+
+The loss is the global batch's on every rank (:class:`_GlobalLoss`): each rank's loss, weighted by its share of
+the batch, is summed across ranks in the forward; the backward passes each rank's gradient through unchanged, so
+each rank backpropagates its share of the global loss, as data-parallel training does. This assumes a loss that
+is a mean over the batch's samples (the inferred cross-entropy and MSE are; docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..capture import noise as _noise
+from ..capture.runner import CaptureSession
+from ..capture.stats import ErrorStats
+from ..formats import Format
+from . import reduce as R
+
+
+class _GlobalLoss(torch.autograd.Function):
+    """Forward: the sum over ranks of the (weighted) local losses. Backward: the gradient passes through
+    unchanged, since d(sum_r L_r)/dL_r = 1 for this rank's own term."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        out = local.detach().clone().to(torch.float64)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out.to(local.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+_GLOBAL_MARK = "_precision_audit_global"
+
+
+def _globalize_scalars(out: Any, weight: float, group: Any) -> Any:
+    """The model's own scalar outputs (a Hugging Face model's ``loss``), each a mean over this rank's samples,
+    replaced by the global batch's value (weighted sum over ranks; the backward passes through unchanged)."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        g = _GlobalLoss.apply(t * weight if weight != 1.0 else t, group)
+        setattr(g, _GLOBAL_MARK, True)
+        return g
+
+    if isinstance(out, torch.Tensor):
+        return one(out) if out.dim() == 0 and out.is_floating_point() else out
+    if isinstance(out, dict):
+        for k in list(out.keys()):
+            v = out[k]
+            if isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point():
+                out[k] = one(v)
+        return out
+    if isinstance(out, tuple) and not hasattr(out, "_fields"):
+        return tuple(_globalize_scalars(v, weight, group) if isinstance(v, torch.Tensor) else v for v in out)
+    return out
+
+
+def _is_global(t: torch.Tensor) -> bool:
+    """A tensor marked by :func:`_globalize_scalars`, or a view of one (``loss.float().reshape(())``)."""
+    while t is not None:
+        if getattr(t, _GLOBAL_MARK, False):
+            return True
+        t = t._base  # type: ignore[assignment]
+    return False
+
+
+class _ReducedErrorStats(ErrorStats):
+    """noise.py's per-call error sums, whose ratios are taken over every rank's sums (installed for the session)."""
+
+    group: Any = None
+
+    @property
+    def rel_l2(self) -> float:  # type: ignore[override]
+        return ErrorStats.rel_l2.fget(R.reduced_error_copy(self, self.group))  # type: ignore[attr-defined]
+
+
+class DistributedCaptureSession(CaptureSession):
+    """A :class:`CaptureSession` on one rank; see the module docstring. ``run_module`` is what the forward calls
+    (a DDP wrapper, or the model itself); hooks and names stay on the original ``model``."""
+
+    def __init__(self, model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
+                 loss_of: Callable[[Any], torch.Tensor], config: Any, progress: Callable[[str], None] | None = None,
+                 *, run_module: torch.nn.Module | None = None, weight: float = 1.0, group: Any = None,
+                 untracked: Any = None, original_types: dict[str, str] | None = None) -> None:
+        runner = run_module if run_module is not None else model
+
+        def forward_through_wrapper(m: torch.nn.Module) -> Any:
+            return forward(runner if m is model else m)
+
+        def global_loss(out: Any) -> torch.Tensor:
+            local = loss_of(out)
+            if _is_global(local):  # the model's own loss (or a view of it), made global at its output already
+                return local
+            return _GlobalLoss.apply(local * weight if weight != 1.0 else local, group)
+
+        self._weight = weight
+
+        super().__init__(model, forward_through_wrapper, global_loss, config, progress)
+        self.group = group
+        self._impact_log: list[tuple[Any, Format, float]] = []
+        # module outputs that are the same tensor on every rank (computed from no sample: a position embedding's
+        # output): counted once (rank 0) and their gradients summed over ranks, see _replicated()
+        self._same_everywhere: dict[tuple, bool] = {}
+        self._pending_flags: list[bool] = []
+        self._rank = dist.get_rank(group)
+        self._format_depth = 0
+        self._noise_patch = contextlib.ExitStack()
+        self._original_types = dict(original_types or {})  # before fully_shard swapped the classes
+        if untracked is not None:
+            untracked.session = self
+
+    # -- context: noise.py's error ratios over every rank --------------------------------------------------
+    def __enter__(self) -> "DistributedCaptureSession":
+        # before the session's own hooks: they must see the global loss the model returns
+        self._globalizer = self.model.register_forward_hook(
+            lambda m, args, out: _globalize_scalars(out, self._weight, self.group))
+        self._noise_patch.callback(self._globalizer.remove)
+        patched = type("ReducedErrorStats", (_ReducedErrorStats,), {"group": self.group})
+        saved = _noise.ErrorStats
+        _noise.ErrorStats = patched
+        self._noise_patch.callback(setattr, _noise, "ErrorStats", saved)
+        try:
+            return super().__enter__()  # type: ignore[return-value]
+        except BaseException:
+            self._noise_patch.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._noise_patch.close()
+
+    # -- tensors that are not split along the batch ----------------------------------------------------------
+    def _replicated(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` holds the same values on every rank: a tensor computed from no sample of the batch (a
+        position embedding's output, a causal mask). Its statistics are rank 0's alone, and the gradient flowing
+        into it is the sum of every rank's. All-zero tensors count as per-sample (a zero-initialised layer's
+        output is zero for every sample). A collective: called at the same point of every rank's pass."""
+        key = self._tensor_key(t)
+        hit = self._same_everywhere.get(key)
+        if hit is not None:
+            return hit
+        x = t.detach().reshape(-1).to(torch.float64)
+        finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+        idx = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
+        sig = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+                           finite.sum(), (finite * finite).sum(), (finite * idx).sum(),
+                           (~torch.isfinite(x)).sum().to(torch.float64)]).cpu()
+        lo, hi = sig.clone(), sig.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+        same = bool(torch.equal(lo, hi)) and bool(hi[2] > 0)
+        self._same_everywhere[key] = same
+        return same
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._same_everywhere.clear()
+
+    def _cached(self, kind: str, tensors: tuple, make: Callable[[], Any]) -> Any:
+        # _replicated first, on every rank: it is a collective
+        if self._phase is not None and self._replicated(tensors[-1]) and self._rank != 0:
+            return make()  # counted by rank 0 only: this rank adds nothing
+        return super()._cached(kind, tensors, make)
+
+    def _post_hook_body(self, m, args, kwargs, output) -> None:  # noqa: ANN001 - the runner's signature
+        from ..capture.records import float_tensors
+
+        # per output that will get a gradient hook: "global" (the model's loss made global: dL/dL is the same on
+        # every rank, rank 0 counts it), "sum" (a tensor every rank shares: gradients summed), "local"
+        self._pending_flags = ["global" if getattr(y, _GLOBAL_MARK, False) else
+                               "sum" if self._replicated(y) else "local"
+                               for y in float_tensors(output) if y.requires_grad]
+        super()._post_hook_body(m, args, kwargs, output)
+
+    def _local_rerun(self, m, rec, args, kwargs, ys, pre_rng):  # noqa: ANN001 - the runner's signature
+        if ys and all(self._replicated(y) for y in ys) and self._rank != 0:
+            saved = {f: copy.deepcopy(fs.local) for f, fs in rec.formats.items()}
+            diffs = super()._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+            for f, fs in rec.formats.items():
+                if fs.local is not None and f in saved:
+                    fs.local = saved[f] if saved[f] is not None else ErrorStats()
+            return diffs
+        return super()._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+
+    # -- per-call loss impacts, reduced before their absolute value ------------------------------------------
+    def _grad_hook(self, rec, diffs=None, own=None):  # noqa: ANN001 - the runner's signature
+        inner = super()._grad_hook(rec, None, own)
+        kind = self._pending_flags.pop(0) if self._pending_flags else "local"
+
+        def hook(g: torch.Tensor) -> None:
+            if g is None:
+                return
+            if kind == "sum":  # the gradient into a tensor every rank shares: the sum of every rank's
+                total = g.detach().clone()
+                dist.all_reduce(total, group=self.group)
+                inner(total if self._rank == 0 else total.new_empty((0,)))
+            elif kind == "global":  # dL/dL of the model's own (global) loss: rank 0's alone, kept apart there
+                if self._rank == 0:
+                    inner(g)
+            else:
+                inner(g)
+            for f, d in (diffs or {}).items():
+                self._impact_log.append((rec, f, float((g.detach().double() * d.double()).sum())))
+        return hook
+
+    # -- the passes, each followed by its reduction --------------------------------------------------------
+    def reference_run(self):
+        self._impact_log.clear()
+        try:
+            run = super().reference_run()
+        except BaseException:
+            self._impact_log.clear()
+            raise
+        layers = list(self.layers.values())
+        red = R.Reduction(self.group)
+        R.reference_fields(red, layers)
+        red.run()
+        R.reduce_impacts(self._impact_log, self.group)
+        self._impact_log.clear()
+        self.grad_all = R.rebuild_grad_all(layers)
+        return run
+
+    def format_run(self, fmt: Format, loss_scale: float = 1.0):
+        self._format_depth += 1
+        try:
+            run = super().format_run(fmt, loss_scale)
+        finally:
+            self._format_depth -= 1
+        if self._format_depth:  # the runner's own retry (fp32-fallback kernels): reduced once, by the outer call
+            return run
+        layers = list(self.layers.values())
+        red = R.Reduction(self.group)
+        R.format_fields(red, layers, fmt, run)
+        red.run()
+        if run.output is not None:
+            run.output_nonfinite = run.output.nonfinite
+        root = self.layers.get(id(self.model))
+        if root is not None and fmt in root.formats and root.formats[fmt].local is not None:
+            root.formats[fmt].local = copy.deepcopy(root.formats[fmt].accumulated)
+        return run
+
+    def verify_plan(self, policy: Any, default: Format | None):
+        run = super().verify_plan(policy, default)
+        has = torch.tensor([run.output is not None], dtype=torch.int64)
+        dist.all_reduce(has, op=dist.ReduceOp.MIN, group=self.group)
+        if run.output is not None and bool(has):
+            run.output = R.reduced_error_copy(run.output, self.group)
+            run.output_nonfinite = run.output.nonfinite
+        elif run.output is not None:
+            run.output = None
+        return run
+
+    def result(self):
+        res = super().result()
+        for rec in res.layers:
+            rec.type = self._original_types.get(rec.name, rec.type)
+        return res
+
+
+class Untracked:
+    """Forward hooks around FSDP2's own pre- and post-forward hooks: the all-gathers and copies FSDP runs there
+    are not the model's work, and must not make a module look as if it computed something itself (which would
+    change which modules are re-run alone, and their op records, against the single-process audit)."""
+
+    def __init__(self) -> None:
+        self.session: CaptureSession | None = None
+        self._saved: list[bool] = []
+        self.handles: list[Any] = []
+
+    def _pause(self, *args: Any, **kwargs: Any) -> None:
+        s = self.session
+        self._saved.append(bool(s._rerunning) if s is not None else False)
+        if s is not None:
+            s._rerunning = True
+
+    def _resume(self, *args: Any, **kwargs: Any) -> None:
+        was = self._saved.pop() if self._saved else False
+        if self.session is not None:
+            self.session._rerunning = was
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Around every FSDP unit's hooks; call after sharding and before the session installs its own hooks."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                self.handles += [
+                    m.register_forward_pre_hook(self._pause, prepend=True),
+                    m.register_forward_pre_hook(self._resume),
+                    m.register_forward_hook(self._pause, prepend=True),
+                    m.register_forward_hook(self._resume),
+                ]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

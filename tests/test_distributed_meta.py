@@ -1,0 +1,99 @@
+"""Issue 15 item 4: a model built on the meta device with ``init_weights(model)`` audits on 2 ranks under FSDP2,
+and no rank ever materialises the whole model: each rank's memory growth while the model is materialised and
+initialised stays below the whole model's FP32 parameters (128 MiB here), where one copy of the whole model would
+not. Also the 4-rank case of the acceptance list (mlp, global batch 32 split 8 x 4)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from precision_audit.distributed.compare import differences  # noqa: E402
+from test_distributed_audit import SAMPLES, audit  # noqa: E402
+
+META_MODEL = '''
+import torch
+import torch.nn as nn
+
+WIDTH, BLOCKS = 2048, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, WIDTH)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Big(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build_model():
+    with torch.device("meta"):
+        return Big()
+
+
+def init_weights(model):
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=WIDTH ** -0.5)
+            nn.init.zeros_(m.bias)
+
+
+def sample_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, WIDTH, generator=g), torch.randint(0, 8, (4,), generator=g)
+'''
+
+
+@pytest.mark.slow
+def test_meta_device_model_is_materialised_shard_by_shard(tmp_path):
+    (tmp_path / "model.py").write_text(META_MODEL)
+    r = audit(str(tmp_path / "model.py"), "--out", str(tmp_path / "out"), "--nproc", "2", "--shard", "fsdp",
+              timeout=400)
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    mem = json.loads((tmp_path / "out" / "audit.json").read_text())["distributed"]["memory"]
+    whole = mem["model_parameter_bytes"]
+    assert whole == 33_587_208 * 4
+    assert mem["materialised"].startswith("shard by shard")
+    for rank in mem["ranks"]:
+        assert rank["parameter_bytes_held"] <= whole // 2 + 4096  # its shard (FSDP pads to even splits)
+        assert rank["rss_peak_after_init_bytes"] - rank["rss_start_bytes"] < whole
+
+
+def test_meta_model_without_init_weights_is_refused(tmp_path):
+    (tmp_path / "model.py").write_text(META_MODEL.replace("def init_weights(model):", "def other(model):"))
+    r = audit(str(tmp_path / "model.py"), "--out", str(tmp_path / "out"), "--nproc", "2", "--shard", "fsdp")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "meta device" in r.stderr and "init_weights(model)" in r.stderr
+    assert r.stderr.count("precision-audit: error") == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_four_ranks_equal_one_process(tmp_path):
+    one = audit(str(SAMPLES / "mlp" / "model.py"), "--out", str(tmp_path / "one"))
+    four = audit(str(SAMPLES / "mlp" / "model.py"), "--out", str(tmp_path / "four"), "--nproc", "4")
+    assert four.returncode == one.returncode == 0, four.stderr[-3000:]
+    a = json.loads((tmp_path / "one" / "audit.json").read_text())
+    b = json.loads((tmp_path / "four" / "audit.json").read_text())
+    assert b["distributed"]["world_size"] == 4 and b["distributed"]["rank0_batch_size"] == 8
+    diff = differences(a, b)
+    assert not diff, "\n".join(diff[:30])
