@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..distributed.tensors import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
 from ..errors import ModelRunError
 from .ops import record_op
 
@@ -55,7 +56,7 @@ class OpTracker(TorchDispatchMode):
     def __init__(self, session: "CaptureSession") -> None:
         super().__init__()
         self.session = session
-        self.param_ptrs: set[int] = {p.untyped_storage().data_ptr() for p in session.model.parameters()}
+        self.param_ptrs: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in session.model.parameters()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -171,11 +171,12 @@ class DistributedCaptureSession(CaptureSession):
         super()._reset()
         self._same_everywhere.clear()
 
-    def _cached(self, kind: str, tensors: tuple, make: Callable[[], Any]) -> Any:
+    def _cached(self, kind: str, tensors: tuple, make: Callable[[], Any],
+                operands: Callable[[], tuple] | None = None) -> Any:
         # _replicated first, on every rank: it is a collective
         if self._phase is not None and self._replicated(tensors[-1]) and self._rank != 0:
             return make()  # counted by rank 0 only: this rank adds nothing
-        return super()._cached(kind, tensors, make)
+        return super()._cached(kind, tensors, make, operands)
 
     def _post_hook_body(self, m, args, kwargs, output) -> None:  # noqa: ANN001 - the runner's signature
         from ..capture.records import float_tensors
