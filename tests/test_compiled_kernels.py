@@ -48,14 +48,15 @@ pytestmark = pytest.mark.skipif(_toolchain_missing() is not None,
 
 
 @pytest.fixture(scope="module")
-def kernel_dir(tmp_path_factory):
-    """Builds the library into a fresh cache; afterwards this process forgets it (later tests use Python)."""
-    d = tmp_path_factory.mktemp("kernels")
+def kernel_dir(built_kernels):
+    """The session's library (built once by conftest's ``built_kernels``), loaded for this module; afterwards this
+    process forgets it (later tests use Python)."""
+    d, _ = built_kernels
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PRECISION_AUDIT_KERNEL_DIR", str(d))
         path, seconds = compiled.build()
-        assert path.is_file() and path.parent.parent == d and seconds > 0
-        assert compiled.is_built() and compiled.is_loaded()
+        assert path.is_file() and path.parent.parent == d and seconds == 0.0  # already built: nothing to do
+        assert compiled.load() and compiled.is_built() and compiled.is_loaded()
         yield d
     compiled._loaded = None
 

@@ -19,7 +19,9 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 # Fields that differ between two runs of the same code: when and where it ran (the machine, its thread count),
 # and wall-clock durations. The figures themselves do not depend on the thread count (issue 12's last item).
 VOLATILE = {"created", "out"}
-VOLATILE_PATHS = {".hardware", ".noise_floor.method", ".noise_floor.threads"}
+VOLATILE_PATHS = {".hardware", ".noise_floor.method", ".noise_floor.threads",
+                  # where the checkout is (the stored files were written in another one)
+                  ".batch.source", ".options.batch", ".options.model"}
 REL = 1e-6
 
 
