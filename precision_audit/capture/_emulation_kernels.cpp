@@ -273,7 +273,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::List<bool>> drain
 }
 
 
-// ---- Fused tensor statistics (precision_audit/capture/stats.py calls these; docs/memory.md, "Statistics") ----
+// ---- Fused tensor statistics (capture/stats.py calls these; docs/performance.md, "Statistics: one read ...") ----
 //
 // range_stats: one read of x for everything MagnitudeHistogram / RangeSummary keep: the bucket counts of |x|
 // against the sorted float32 edges (bucket i holds edge[i-1] <= |x| < edge[i], i.e. torch.bucketize(right=True);

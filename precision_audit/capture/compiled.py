@@ -8,8 +8,8 @@ same kernels for the three busiest policies (the GEMM family, fp32 and fp32-with
 The same library holds the fused statistics (``range_stats``, ``error_sums``: capture/stats.py), which read each
 tensor once.
 
-**The fast path is the default** (docs/memory.md, "Compiled kernels"): with ``--kernels auto`` (the default) an
-audit loads the library when it is built, and otherwise builds it first, once, with one progress line saying so
+**The fast path is the default** (docs/performance.md, "Compiled kernels: built automatically"): with
+``--kernels auto`` (the default) an audit loads the library when it is built, and otherwise builds it first, once, with one progress line saying so
 (a C++ compiler and ninja are needed; about 20-40 s on 2 cores). When it cannot be built (no compiler, no ninja,
 a failed compile) the audit says so in one line and uses the Python kernels and statistics, which give the same
 results; a failed compile is remembered (a ``.failed`` note beside the build folder) so that later audits do not

@@ -4,7 +4,7 @@ Nothing here keeps a tensor. A :class:`MagnitudeHistogram` counts |x| into bucke
 every rounding threshold of every range format, at every power-of-two loss scale the audit considers,
 so "what fraction would flush to zero in FP16 at loss scale 2^k" is an exact count, not an estimate.
 
-Two implementations of every update, with the same results (docs/memory.md, "Statistics"):
+Two implementations of every update, with the same results (docs/performance.md, "Statistics: one read per tensor"):
 
 - **fused** (CPU tensors, when the compiled library of capture/compiled.py is loaded): one C++ pass per
   tensor (``range_stats``, ``error_sums`` in ``_emulation_kernels.cpp``) reads each element once and yields

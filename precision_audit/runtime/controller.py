@@ -543,7 +543,7 @@ class PrecisionController:
         # A skipped step names where its non-finite values started: by replaying its forward with per-call records
         # (nothing per module on clean steps), or, in adaptive mode (the backward-source rule needs the real
         # backward) and under torch.compile (the records join the compiled graph), with per-call records always
-        # on (module docstring, "Source attribution").
+        # on (module docstring, "Source attribution"; docs/performance.md).
         self._probe: _SourceProbe | _ReplayProbe | None = None
         if attribute:
             if adaptive or type(model).__name__ == "OptimizedModule":
