@@ -125,7 +125,7 @@ else:
     result["peak_bytes"] = status("VmHWM") - base
     result["exit_code"] = r.exit_code
     a = json.load(open(os.path.join(out, "audit.json")))
-    result["kernels"] = a["options"].get("kernels")
+    result["kernels"] = (a.get("emulation") or {}).get("kernels") or a["options"].get("kernels")
     result["stage_s"] = {k: v for k, v in a.get("timing", {}).items()} if isinstance(a.get("timing"), dict) else None
 print(json.dumps(result))
 '''
