@@ -364,7 +364,7 @@ class _ReplayProbe:
                         root.register_forward_hook(self._post, with_kwargs=True)]
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._replaying or not torch.is_grad_enabled():
+        if self._replaying or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
         tf32 = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -380,7 +380,8 @@ class _ReplayProbe:
             self.dropped += 1
 
     def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._replaying or not torch.is_grad_enabled() or not self.calls or self.calls[-1].out_ranges is not None:
+        if (self._replaying or not torch.is_grad_enabled() or torch.compiler.is_compiling() or not self.calls
+                or self.calls[-1].out_ranges is not None):
             return
         self.calls[-1].out_ranges = [r for t in _floating_tensors(output, []) if (r := _range(t)) is not None]
 
@@ -419,7 +420,8 @@ class _ReplayProbe:
         if self.dropped:
             why = f"{self.dropped} earlier forward call(s) since the last step were not kept"
         elif not self.calls:
-            why = "the model was not called with gradients enabled since the last step"
+            why = ("no forward call was recorded since the last step (none with gradients enabled, or the model was "
+                   "compiled after the controller was made: pass the compiled model to the controller)")
         elif any(t._version != v for c in self.calls for t, v in c.versions):
             why = "an input tensor was modified in place after the forward"
         probe = _SourceProbe(self.modules, backward=False)
