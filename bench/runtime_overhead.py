@@ -5,8 +5,9 @@ by hand with torch.amp (autocast + GradScaler), measured in one run.
 
 Both loops run the residual-MLP probe (bench/models/residual_mlp.py) under the same emulated BF16 autocast with
 the same optimizer; the policy keeps two modules in FP32 so that per-module switching is exercised. The last row
-times the controller after ``controller.close()`` has removed its forward hooks (the ones that name the source
-of a non-finite step), which isolates what those hooks cost on clean steps. The three run in interleaved rounds.
+times the controller after ``controller.close()`` has removed its hooks (the ones that let it name the source
+of a non-finite step: since issue 14, two hooks on the root module that keep what a replay of a bad step needs;
+docs/performance.md), which isolates what they cost on clean steps. The three run in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def main() -> None:
     print(f"{'step':<34} {'median ms':>10} {'ratio':>7}")
     print(f"{'by hand (autocast + GradScaler)':<34} {base * 1e3:>10.3f} {1.0:>6.2f}x")
     print(f"{'apply_policy + controller.step':<34} {ours * 1e3:>10.3f} {ours / base:>6.2f}x")
-    print(f"{'  the same without source hooks':<34} {no_hooks * 1e3:>10.3f} {no_hooks / base:>6.2f}x")
-    print(f"source hooks, paired per round: {hooks * 1e3:+.3f} ms per step ({hooks / no_hooks:+.1%} of the step "
+    print(f"{'  the same after controller.close()':<34} {no_hooks * 1e3:>10.3f} {no_hooks / base:>6.2f}x")
+    print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step ({hooks / no_hooks:+.1%} of the step "
           "without them)")
 
 

@@ -20,11 +20,46 @@ def _seed():
 
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_cache(tmp_path_factory):
-    """An empty compiled-kernel cache, so that a developer's built kernels never change which kernels the
-    tests use (tests/test_compiled_kernels.py builds its own)."""
+    """An empty compiled-kernel cache and no automatic build, so that a developer's built kernels never change
+    which kernels the tests use and no test pays for a compile it does not test: tests run the Python kernels
+    and statistics unless they ask for ``built_kernels`` (tests/test_compiled_kernels.py, test_fused_stats.py)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+        mp.setenv("PRECISION_AUDIT_AUTO_BUILD", "0")
         yield
+
+
+@pytest.fixture(scope="session")
+def built_kernels(tmp_path_factory):
+    """The compiled library, built once per test session by the automatic build of ``--kernels auto`` (into its
+    own cache; about 20-40 s). Yields (cache folder, the build's log messages). A test that uses it loads it with
+    PRECISION_AUDIT_KERNEL_DIR set to that folder (tests/test_compiled_kernels.py, ``kernel_dir``); a library
+    path loaded twice in one process is the same library, never a second registration."""
+    import logging
+
+    from precision_audit.capture import compiled
+
+    d = tmp_path_factory.mktemp("kernels")
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Keep(level=logging.INFO)
+    logger = logging.getLogger(compiled.__name__)
+    logger.addHandler(handler)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PRECISION_AUDIT_KERNEL_DIR", str(d))
+            mp.setenv("PRECISION_AUDIT_AUTO_BUILD", "1")
+            kind = compiled.resolve("auto")
+    finally:
+        logger.removeHandler(handler)
+    if kind != "compiled":
+        pytest.skip(f"the compiled kernels cannot be built here: {messages[-1] if messages else '?'}")
+    compiled._loaded = None  # loaded again, from the same path, by the tests that ask for it
+    yield d, messages
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,14 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -264,6 +272,202 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::List<bool>> drain
   return {tensors, itemsizes, from_parameter};
 }
 
+
+// ---- Fused tensor statistics (capture/stats.py calls these; docs/performance.md, "Statistics: one read ...") ----
+//
+// range_stats: one read of x for everything MagnitudeHistogram / RangeSummary keep: the bucket counts of |x|
+// against the sorted float32 edges (bucket i holds edge[i-1] <= |x| < edge[i], i.e. torch.bucketize(right=True);
+// zeros are not in any bucket), zeros, NaNs, infs and the largest finite |x|. Every value is first rounded to
+// float32, as the Python path does (exact for fp16/bf16). With an undefined `edges` the buckets are skipped.
+// Returns (counts[len(edges) + 1] int64, [zeros, nans, infs] int64, amax).
+//
+// error_sums: one read of ref and p for ErrorStats: per element in double (exact products of float32 values,
+// double accumulation, as the Python path's float64 copies), elements whose reference is not finite left out.
+// Returns ([ref_nonfinite, nonfinite] int64, [sum_ref2, sum_diff2, sum_dot, sum_p2, max_abs] float64).
+
+struct BucketTable {
+  // Normal floats: bucket = base[biased exponent] + number of the binade's inner edges <= |x|, the inner edges
+  // padded to kInner with +inf so that the count is branch-free. Subnormals (and edge lists without every
+  // power of two of the normal range, or with more inner edges in a binade) use a binary search.
+  static constexpr int kInner = 4;
+  bool fast = false;
+  int64_t base[256] = {};
+  float inner[256][kInner];
+  const float* edges = nullptr;
+  int64_t n = 0;
+
+  BucketTable(const float* e, int64_t size) : edges(e), n(size) {
+    for (auto& row : inner) {
+      for (float& v : row) v = std::numeric_limits<float>::infinity();
+    }
+    int64_t j = 0;
+    for (int exp = 1; exp <= 254; ++exp) {
+      const float lo = std::ldexp(1.0f, exp - 127);
+      while (j < n && edges[j] < lo) ++j;
+      if (j >= n || edges[j] != lo) return;
+    }
+    for (int exp = 1; exp <= 254; ++exp) {
+      const float lo = std::ldexp(1.0f, exp - 127);
+      const float* p = std::upper_bound(edges, edges + n, lo);
+      base[exp] = p - edges;
+      const float hi = exp < 254 ? std::ldexp(1.0f, exp - 126) : std::numeric_limits<float>::infinity();
+      int k = 0;
+      for (; p < edges + n && *p < hi; ++p, ++k) {
+        if (k == kInner) return;
+        inner[exp][k] = *p;
+      }
+    }
+    fast = true;
+  }
+
+  int64_t operator()(float a) const {  // a finite and > 0
+    uint32_t bits;
+    std::memcpy(&bits, &a, sizeof bits);
+    const uint32_t exp = bits >> 23;
+    if (fast && exp != 0) {
+      const float* in = inner[exp];
+      return base[exp] + (in[0] <= a) + (in[1] <= a) + (in[2] <= a) + (in[3] <= a);
+    }
+    return std::upper_bound(edges, edges + n, a) - edges;
+  }
+};
+
+template <typename T>
+void range_pass(const T* x, int64_t numel, const BucketTable* table, int64_t nbuckets, int64_t* counts,
+                int64_t* special, float* amax_out) {
+  const int64_t grain = 1 << 15;
+  const int64_t chunks = std::max<int64_t>(1, (numel + grain - 1) / grain);
+  std::vector<std::vector<int64_t>> part_counts(chunks);
+  std::vector<std::array<int64_t, 3>> part_special(chunks, {0, 0, 0});
+  std::vector<float> part_amax(chunks, 0.0f);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t lo = c * grain, hi = std::min(numel, lo + grain);
+      std::vector<int64_t> local;
+      if (table) local.assign(4 * nbuckets, 0);
+      int64_t zeros = 0, nans = 0, infs = 0;
+      float amax = 0.0f;
+      for (int64_t i = lo; i < hi; ++i) {
+        const float a = std::fabs(static_cast<float>(x[i]));
+        if (!std::isfinite(a)) {
+          if (std::isnan(a)) ++nans; else ++infs;
+          continue;
+        }
+        if (a == 0.0f) {
+          ++zeros;
+          continue;
+        }
+        amax = a > amax ? a : amax;
+        if (table) ++local[(i & 3) * nbuckets + (*table)(a)];
+      }
+      part_counts[c] = std::move(local);
+      part_special[c] = {zeros, nans, infs};
+      part_amax[c] = amax;
+    }
+  });
+  float amax = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (table) {
+      for (int64_t b = 0; b < 4 * nbuckets; ++b) counts[b % nbuckets] += part_counts[c][b];
+    }
+    for (int k = 0; k < 3; ++k) special[k] += part_special[c][k];
+    amax = std::max(amax, part_amax[c]);
+  }
+  *amax_out = amax;
+}
+
+std::tuple<at::Tensor, at::Tensor, double> range_stats(const at::Tensor& x_in, const std::optional<at::Tensor>& edges_in) {
+  TORCH_CHECK(x_in.device().is_cpu(), "range_stats: CPU tensors only");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor edges;
+  int64_t nbuckets = 0;
+  if (edges_in.has_value() && edges_in->defined()) {
+    edges = edges_in->to(at::kFloat).contiguous();
+    nbuckets = edges.numel() + 1;
+  }
+  at::Tensor counts = at::zeros({nbuckets}, at::kLong);
+  at::Tensor special = at::zeros({3}, at::kLong);
+  float amax = 0.0f;
+  std::unique_ptr<BucketTable> table;
+  if (edges.defined()) table = std::make_unique<BucketTable>(edges.data_ptr<float>(), edges.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "range_stats", [&] {
+    range_pass<scalar_t>(x.data_ptr<scalar_t>(), x.numel(), table.get(), nbuckets, counts.data_ptr<int64_t>(),
+                         special.data_ptr<int64_t>(), &amax);
+  });
+  return {counts, special, static_cast<double>(amax)};
+}
+
+template <typename R, typename P>
+void error_pass(const R* r, const P* p, int64_t numel, int64_t* flags, double* sums) {
+  const int64_t grain = 1 << 15;
+  const int64_t chunks = std::max<int64_t>(1, (numel + grain - 1) / grain);
+  std::vector<std::array<double, 5>> part(chunks, {0, 0, 0, 0, 0});
+  std::vector<std::array<int64_t, 2>> part_flags(chunks, {0, 0});
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t lo = c * grain, hi = std::min(numel, lo + grain);
+      // four independent lanes per sum (double accumulation of exact float products)
+      double s_r2[4] = {0, 0, 0, 0}, s_d2[4] = {0, 0, 0, 0}, s_dot[4] = {0, 0, 0, 0}, s_p2[4] = {0, 0, 0, 0};
+      double mx = 0.0;
+      bool mx_nan = false;
+      int64_t ref_bad = 0, bad = 0;
+      for (int64_t i = lo; i < hi; ++i) {
+        const double rv = static_cast<double>(r[i]);
+        if (!std::isfinite(rv)) {
+          ++ref_bad;
+          continue;
+        }
+        const double qv = static_cast<double>(p[i]);
+        if (!std::isfinite(qv)) ++bad;
+        const double d = qv - rv;
+        const int l = static_cast<int>(i & 3);
+        s_r2[l] += rv * rv;
+        s_d2[l] += d * d;
+        s_dot[l] += rv * qv;
+        s_p2[l] += qv * qv;
+        const double ad = std::fabs(d);
+        if (std::isnan(ad)) mx_nan = true; else mx = ad > mx ? ad : mx;
+      }
+      part[c] = {s_r2[0] + s_r2[1] + s_r2[2] + s_r2[3], s_d2[0] + s_d2[1] + s_d2[2] + s_d2[3],
+                 s_dot[0] + s_dot[1] + s_dot[2] + s_dot[3], s_p2[0] + s_p2[1] + s_p2[2] + s_p2[3],
+                 mx_nan ? std::numeric_limits<double>::quiet_NaN() : mx};
+      part_flags[c] = {ref_bad, bad};
+    }
+  });
+  bool nan = false;
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int k = 0; k < 4; ++k) sums[k] += part[c][k];
+    if (std::isnan(part[c][4])) nan = true; else sums[4] = std::max(sums[4], part[c][4]);
+    flags[0] += part_flags[c][0];
+    flags[1] += part_flags[c][1];
+  }
+  if (nan) sums[4] = std::numeric_limits<double>::quiet_NaN();
+}
+
+std::tuple<at::Tensor, at::Tensor> error_sums(const at::Tensor& ref_in, const at::Tensor& p_in) {
+  TORCH_CHECK(ref_in.device().is_cpu() && p_in.device().is_cpu(), "error_sums: CPU tensors only");
+  TORCH_CHECK(ref_in.numel() == p_in.numel(), "error_sums: sizes differ");
+  // float32 is the common case; any other pairing goes through float64 (exact for every float format here)
+  at::Tensor r = ref_in.contiguous(), p = p_in.contiguous();
+  if (r.scalar_type() != at::kFloat || !(p.scalar_type() == at::kFloat || p.scalar_type() == at::kHalf ||
+                                         p.scalar_type() == at::kBFloat16)) {
+    r = r.to(at::kDouble);
+    p = p.to(at::kDouble);
+  }
+  at::Tensor flags = at::zeros({2}, at::kLong);
+  at::Tensor sums = at::zeros({5}, at::kDouble);
+  int64_t* f = flags.data_ptr<int64_t>();
+  double* s = sums.data_ptr<double>();
+  if (r.scalar_type() == at::kDouble) {
+    error_pass<double, double>(r.data_ptr<double>(), p.data_ptr<double>(), r.numel(), f, s);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.scalar_type(), "error_sums", [&] {
+      error_pass<float, scalar_t>(r.data_ptr<float>(), p.data_ptr<scalar_t>(), r.numel(), f, s);
+    });
+  }
+  return {flags, sums};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(precision_audit_emu, m) {
@@ -271,4 +475,6 @@ TORCH_LIBRARY(precision_audit_emu, m) {
   m.def("disable() -> ()", &disable);
   m.def("set_recording(bool on) -> ()", &set_recording);
   m.def("drain() -> (Tensor[], int[], bool[])", &drain);
+  m.def("range_stats(Tensor x, Tensor? edges) -> (Tensor, Tensor, float)", &range_stats);
+  m.def("error_sums(Tensor ref, Tensor p) -> (Tensor, Tensor)", &error_sums);
 }

@@ -5,13 +5,21 @@ dispatcher into Python, about 20-40 us on a small CPU, which dominates the emula
 same kernels for the three busiest policies (the GEMM family, fp32 and fp32-with-dtype) are written in C++ in
 ``_emulation_kernels.cpp``; they are bit-identical to the Python ones (tests/test_compiled_kernels.py).
 
-They are built on request, never silently: ``precision-audit build-kernels`` compiles them with the installed
-torch's headers (a C++ compiler and ninja are needed, about 15 s on 2 cores) into a cache folder named after the
-torch and Python versions and the source's hash, so a torch upgrade never loads a stale library. An audit then
-uses them when they are built (``--kernels auto``, the default), and says which kernels it used.
+The same library holds the fused statistics (``range_stats``, ``error_sums``: capture/stats.py), which read each
+tensor once.
 
-The cache folder is ``$PRECISION_AUDIT_KERNEL_DIR`` when set, else ``$XDG_CACHE_HOME/precision-audit/kernels``
-(``~/.cache/precision-audit/kernels``).
+**The fast path is the default** (docs/performance.md, "Compiled kernels: built automatically"): with
+``--kernels auto`` (the default) an audit loads the library when it is built, and otherwise builds it first, once, with one progress line saying so
+(a C++ compiler and ninja are needed; about 20-40 s on 2 cores). When it cannot be built (no compiler, no ninja,
+a failed compile) the audit says so in one line and uses the Python kernels and statistics, which give the same
+results; a failed compile is remembered (a ``.failed`` note beside the build folder) so that later audits do not
+retry it. ``precision-audit build-kernels`` is the explicit pre-build (it also retries a failed one).
+``PRECISION_AUDIT_AUTO_BUILD=0`` turns the automatic build off (the test suite does: tests use the Python path
+unless they test the compiled one).
+
+The library goes into a cache folder named after the torch and Python versions and the source's hash, so a torch
+upgrade never loads a stale library. The cache folder is ``$PRECISION_AUDIT_KERNEL_DIR`` when set, else
+``$XDG_CACHE_HOME/precision-audit/kernels`` (``~/.cache/precision-audit/kernels``).
 """
 
 from __future__ import annotations
@@ -83,6 +91,16 @@ def load() -> bool:
     return True
 
 
+def failure_note() -> Path:
+    """Where a failed compile of this source, torch and Python is remembered (by the automatic build only)."""
+    d = build_dir()
+    return d.with_name(d.name + ".failed")
+
+
+def auto_build_enabled() -> bool:
+    return os.environ.get("PRECISION_AUDIT_AUTO_BUILD", "1").strip().lower() not in ("0", "no", "false", "off")
+
+
 def build(verbose: bool = False) -> tuple[Path, float]:
     """Compile the kernels into :func:`build_dir` (atomically: a failed build leaves nothing); returns the
     library's path and the seconds spent. Raises :class:`AuditError` with the reason when it cannot."""
@@ -111,6 +129,7 @@ def build(verbose: bool = False) -> tuple[Path, float]:
                          hint="the Python kernels still work (--kernels python)") from None
     seconds = time.perf_counter() - t0
     global _loaded
+    failure_note().unlink(missing_ok=True)
     try:
         work.rename(final)
     except OSError:  # another process finished the same build first: keep its copy
@@ -120,8 +139,34 @@ def build(verbose: bool = False) -> tuple[Path, float]:
     return _loaded, seconds
 
 
+def _auto_build() -> bool:
+    """Build the library now (``--kernels auto`` found none): one progress line, or one line saying why not."""
+    note = failure_note()
+    if note.is_file():
+        log.warning("compiled kernels: an earlier automatic build failed (%s); using the Python kernels "
+                    "(precision-audit build-kernels retries)", note.read_text(errors="replace").strip()[:200])
+        return False
+    log.warning("building the compiled kernels once for torch %s (about 20-40 s; cached in %s)",
+                torch.__version__, cache_root())
+    try:
+        build()
+    except AuditError as e:
+        problem = e.problem.splitlines()[0][:300]
+        if "failed" in e.problem:  # a compile error: remembered, so later audits do not pay for it again
+            try:
+                note.parent.mkdir(parents=True, exist_ok=True)
+                note.write_text(e.problem[-2000:] + "\n")
+            except OSError:
+                pass
+        log.warning("%s; using the Python kernels (same results, slower on small models)", problem)
+        return False
+    return True
+
+
 def resolve(choice: str) -> str:
-    """``auto`` -> ``compiled`` when built (and loads it), else ``python``. ``compiled`` requires them."""
+    """``auto`` -> ``compiled`` when built (and loads it), else builds them (unless
+    ``PRECISION_AUDIT_AUTO_BUILD=0``) and falls back to ``python`` when that cannot be done.
+    ``compiled`` requires them built."""
     if choice not in KERNEL_CHOICES:
         raise AuditError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, not {choice!r}")
     if choice == "python":
@@ -138,6 +183,8 @@ def resolve(choice: str) -> str:
         raise AuditError(f"--kernels compiled: the compiled kernels are not built for torch {torch.__version__} "
                          f"(looked in {build_dir()})",
                          hint="run precision-audit build-kernels once, or use --kernels auto")
+    if auto_build_enabled() and _auto_build():
+        return "compiled"
     return "python"
 
 

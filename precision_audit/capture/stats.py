@@ -3,17 +3,65 @@
 Nothing here keeps a tensor. A :class:`MagnitudeHistogram` counts |x| into buckets whose edges include
 every rounding threshold of every range format, at every power-of-two loss scale the audit considers,
 so "what fraction would flush to zero in FP16 at loss scale 2^k" is an exact count, not an estimate.
+
+Two implementations of every update, with the same results (docs/performance.md, "Statistics: one read per tensor"):
+
+- **fused** (CPU tensors, when the compiled library of capture/compiled.py is loaded): one C++ pass per
+  tensor (``range_stats``, ``error_sums`` in ``_emulation_kernels.cpp``) reads each element once and yields
+  the bucket counts, zeros, NaNs, infs and the largest finite magnitude together (buckets found from the float's
+  exponent bits, not by a binary search), or every error sum together, accumulated in double from the
+  float32 values (exact products, no float64 copy of the tensors). Counts are identical to the Python path's;
+  sums differ only in summation order (relative ~1e-16).
+- **Python** (any device, and whenever the library is not loaded): torch ops, as before.
+
+:func:`python_statistics` forces the Python path (tests compare the two).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Iterator
 
 import torch
 
 from ..formats import RANGE_FORMATS, SPECS, Format
+from . import compiled
+
+# The fused path is used when the compiled library is loaded and the tensors are on the CPU; False forces the
+# Python path (see python_statistics()).
+FUSED = True
+
+
+@contextlib.contextmanager
+def python_statistics() -> Iterator[None]:
+    """Inside: every statistic is computed by the Python (torch ops) path, even where the fused one is loaded."""
+    global FUSED
+    saved, FUSED = FUSED, False
+    try:
+        yield
+    finally:
+        FUSED = saved
+
+
+def _fused(*tensors: torch.Tensor):
+    """The compiled ops namespace when the fused path applies to these tensors, else None."""
+    if not FUSED or compiled._loaded is None:
+        return None
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in _FUSED_DTYPES:
+            return None
+    return compiled.ops()
+
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def is_fused() -> bool:
+    """Whether CPU statistics are computed by the fused pass now."""
+    return FUSED and compiled._loaded is not None
 
 # Loss scales 2^k considered for FP16 gradients. GradScaler starts at 2^16; models that overflow back off
 # below 1, and tiny gradients may want up to 2^40.
@@ -71,6 +119,17 @@ class MagnitudeHistogram:
         x = x.detach()
         n = x.numel()
         if n == 0:
+            return
+        ops = _fused(x)
+        if ops is not None:
+            counts, special, amax = ops.range_stats(x, boundaries())
+            zeros, nans, infs = special.tolist()
+            self.total += n
+            self.zeros += zeros
+            self.nans += nans
+            self.infs += infs
+            self.amax = max(self.amax, amax)  # 0.0 when no finite value is non-zero, as below
+            self.counts += counts
             return
         a = x.abs().flatten()
         if a.dtype != torch.float32:
@@ -169,6 +228,16 @@ class RangeSummary:
         x = x.detach()
         if x.numel() == 0:
             return
+        ops = _fused(x) if x.dtype != torch.float64 else None  # float64 is kept in float64 below
+        if ops is not None:
+            _, special, amax = ops.range_stats(x, None)
+            zeros, nans, infs = special.tolist()
+            self.total += x.numel()
+            self.zeros += zeros
+            self.nans += nans
+            self.infs += infs
+            self.amax = max(self.amax, amax)
+            return
         a = x.abs()
         self.total += a.numel()
         finite = torch.isfinite(a)
@@ -219,6 +288,25 @@ class ErrorStats:
     def update(self, ref: torch.Tensor, p: torch.Tensor) -> None:
         if ref.shape != p.shape:
             raise ValueError(f"shape mismatch {tuple(ref.shape)} vs {tuple(p.shape)}")
+        ops = _fused(ref, p)
+        if ops is not None:
+            n = ref.numel()
+            self.n += n
+            if n == 0:
+                return
+            flags, sums = ops.error_sums(ref.detach(), p.detach())
+            ref_bad, bad = flags.tolist()
+            self.ref_nonfinite += ref_bad
+            if ref_bad == n:
+                return
+            self.nonfinite += bad
+            s_r2, s_d2, s_dot, s_p2, max_abs = sums.tolist()
+            self.sum_ref2 += s_r2
+            self.sum_diff2 += s_d2
+            self.sum_dot += s_dot
+            self.sum_p2 += s_p2
+            self.max_abs = max(self.max_abs, max_abs)  # as the Python path: a NaN here is kept only if first
+            return
         r = ref.detach().to(torch.float64).flatten()
         q = p.detach().to(r.device, torch.float64).flatten()
         self.n += r.numel()

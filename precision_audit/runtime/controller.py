@@ -28,10 +28,22 @@ hand-written gradient sync). Under an initialised process group with more than o
 all-reduces (MAX) the flags before ``scaler.step``, so every rank skips the same steps and their scales stay
 equal; it all-reduces the findings too, so every rank names (and promotes) the same module.
 
-**Source attribution** (every mode). Forward hooks on every module record, per call, the (min, max) of its
-floating inputs and outputs as device tensors (no sync on a clean step). On a step with non-finite gradients
-the *source* is the first module, in the order the calls finished, whose output was non-finite although its
-inputs were finite (an activation overflow, e.g. fp16's 65504, or a real fault). Loss scaling cannot fix it.
+**Source attribution** (every mode). On a step with non-finite gradients the *source* is the first module, in
+the order the calls finished, whose output was non-finite although its inputs were finite (an activation
+overflow, e.g. fp16's 65504, or a real fault). Loss scaling cannot fix it. It is found from per-call records of
+the (min, max) of every module's floating inputs and outputs, taken in one of two ways:
+
+- *replay* (the default): a clean step pays for nothing but one forward pre-hook and one forward hook on the
+  root module, which keep the root call's arguments (references), the state its forward starts from (each
+  module's attribute dictionary, shallowly; the RNG states; the autocast and grad modes) and the (min, max) of
+  the root's outputs. Only on a bad step, before the optimizer step, is that forward run again from that state
+  with the per-module records armed, and the model put back as the first run left it (attributes, buffers,
+  RNG). The replay must reproduce the root's outputs exactly (the same (min, max)) and find the arguments
+  unmodified; otherwise no source is named and the log says why. A training step's cost on clean steps is
+  thus that of the plain torch.amp loop (bench/runtime_overhead.py).
+- *per call* (adaptive mode, whose backward-source rule needs the real backward's gradients, and a model
+  wrapped by torch.compile, where the records are part of the compiled graph): forward hooks on every module
+  record each call as it happens (device tensors, no sync on a clean step).
 
 **Adaptive mode** (``adaptive=True``) adds tensor hooks on the outputs recording whether the incoming gradient
 was finite, for a *backward source*: the innermost module whose gradient arriving at its output was finite but
@@ -52,6 +64,7 @@ the first compiled forward, since hooks added to already-compiled code are not t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -132,6 +145,7 @@ class Attribution:
     detail: str
     forward_nonfinite: bool
     backward: tuple[str, ...] = ()
+    unreproduced: str = ""  # replay only: why the step's forward could not be replayed exactly (no source named)
 
 
 class _SourceProbe:
@@ -209,10 +223,13 @@ class _SourceProbe:
         self.bwd.clear()
         self._memo.clear()
 
-    def remove(self) -> None:
+    def remove_hooks(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+    def remove(self) -> None:
+        self.remove_hooks()
         self.clear()
 
     def evaluate(self, nonfinite_params: set[str], backward_counts: bool, device: torch.device,
@@ -275,6 +292,172 @@ class _SourceProbe:
         bwd = () if forward_nonfinite else tuple(
             _innermost({self.names[i] for i in range(n) if agreed[n + i]}))
         return Attribution(source, detail, forward_nonfinite, bwd)
+
+
+def _same(x: float, y: float) -> bool:
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def _set_dict(m: torch.nn.Module, d: dict) -> None:
+    cur = m.__dict__
+    for k in [k for k in cur if k not in d]:
+        del cur[k]
+    cur.update(d)
+
+
+def _versions(x: Any, out: list) -> list:
+    if isinstance(x, torch.Tensor):
+        out.append((x, x._version))
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            _versions(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _versions(v, out)
+    return out
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class _RootCall:
+    """One grad-enabled call of the root module, as the replay needs it."""
+
+    args: tuple
+    kwargs: dict
+    versions: list  # (tensor, its version) of every tensor argument
+    dicts: list  # (module, shallow copy of its __dict__) before the call
+    rng: tuple
+    autocast: tuple  # per device type (enabled, dtype), then the cache flag
+    tf32: Any
+    out_ranges: list | None = None  # (min, max) of the root's floating outputs
+
+
+class _ReplayProbe:
+    """Records each grad-enabled root call cheaply; on a bad step replays it under a :class:`_SourceProbe`
+    (see the module docstring, "replay")."""
+
+    MAX_CALLS = 16  # root calls kept between two steps (more: the oldest are dropped, and said so)
+
+    def __init__(self, root: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]) -> None:
+        self.root = root
+        self.modules = modules
+        self.names = [n for n, _ in modules]
+        self.calls: list[_RootCall] = []
+        self.dropped = 0
+        self._replaying = False
+        self._all = list(root.modules())
+        self.handles = [root.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        root.register_forward_hook(self._post, with_kwargs=True)]
+
+    def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._replaying or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        tf32 = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            from ..tf32_switches import snapshot
+
+            tf32 = snapshot()
+        autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+        self.calls.append(_RootCall(args, dict(kwargs), _versions((args, kwargs), []),
+                                    [(m, dict(m.__dict__)) for m in self._all], _rng_state(),
+                                    autocast + (torch.is_autocast_cache_enabled(),), tf32))
+        if len(self.calls) > self.MAX_CALLS:
+            del self.calls[0]
+            self.dropped += 1
+
+    def _post(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if (self._replaying or not torch.is_grad_enabled() or torch.compiler.is_compiling() or not self.calls
+                or self.calls[-1].out_ranges is not None):
+            return
+        self.calls[-1].out_ranges = [r for t in _floating_tensors(output, []) if (r := _range(t)) is not None]
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.dropped = 0
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.clear()
+
+    def _run(self, call: _RootCall) -> list:
+        """Run the root's forward again from the call's starting state; its output ranges."""
+        with contextlib.ExitStack() as stack:
+            for d, (enabled, dtype) in zip(_AUTOCAST_DEVICES, call.autocast):
+                stack.enter_context(torch.autocast(d, dtype=dtype, enabled=enabled, cache_enabled=call.autocast[-1]))
+            if call.tf32 is not None:
+                from ..tf32_switches import restore, snapshot
+
+                saved = snapshot()
+                restore(call.tf32)
+                stack.callback(restore, saved)
+            stack.enter_context(torch.enable_grad())
+            for m, d in call.dicts:
+                _set_dict(m, d)
+            _set_rng_state(call.rng)
+            out = self.root(*call.args, **call.kwargs)
+            return [r for t in _floating_tensors(out, []) if (r := _range(t)) is not None]
+
+    def evaluate(self, nonfinite_params: set[str], backward_counts: bool, device: torch.device,
+                 reduce: Any) -> Attribution:
+        """Replay the step's root calls with per-call records, then decide as :meth:`_SourceProbe.evaluate`."""
+        why = ""
+        if self.dropped:
+            why = f"{self.dropped} earlier forward call(s) since the last step were not kept"
+        elif not self.calls:
+            why = ("no forward call was recorded since the last step (none with gradients enabled, or the model was "
+                   "compiled after the controller was made: pass the compiled model to the controller)")
+        elif any(t._version != v for c in self.calls for t, v in c.versions):
+            why = "an input tensor was modified in place after the forward"
+        probe = _SourceProbe(self.modules, backward=False)
+        after = [(m, dict(m.__dict__), dict(m._buffers)) for m in self._all]
+        buffers = [(b, b.detach().clone()) for b in {id(b): b for _, _, bs in after for b in bs.values()
+                                                       if b is not None}.values()]
+        rng = _rng_state()
+        self._replaying = True
+        try:
+            if not why:
+                for call in self.calls:
+                    got = self._run(call)
+                    want = call.out_ranges or []
+                    if len(got) != len(want) or not all(
+                            _same(float(x), float(y)) for g, w in zip(got, want) for x, y in zip(g, w)):
+                        why = "running the forward again gave other outputs (state outside the model changed)"
+                        break
+        finally:
+            self._replaying = False
+            for m, d, bs in after:
+                _set_dict(m, d)
+                m._buffers.clear()
+                m._buffers.update(bs)
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            _set_rng_state(rng)
+            probe.remove_hooks()
+        if why:
+            probe.clear()
+        a = probe.evaluate(nonfinite_params, backward_counts, device, reduce)  # collectives match on every rank
+        probe.clear()
+        if why:
+            return Attribution(None, "", a.forward_nonfinite, (), unreproduced=why)
+        return a
+
 
 
 class PrecisionController:
@@ -359,9 +542,16 @@ class PrecisionController:
         self._streaks: dict[str, list[int]] = {}
         self._reported_fp32_sources: set[str] = set()
         self._own_handle = None
-        # Forward hooks in every mode, so that a skipped step names where its non-finite values started; the
-        # backward tensor hooks only in adaptive mode (they serve the backward-source rule alone).
-        self._probe = _SourceProbe(modules, backward=adaptive) if attribute else None
+        # A skipped step names where its non-finite values started: by replaying its forward with per-call records
+        # (nothing per module on clean steps), or, in adaptive mode (the backward-source rule needs the real
+        # backward) and under torch.compile (the records join the compiled graph), with per-call records always
+        # on (module docstring, "Source attribution"; docs/performance.md).
+        self._probe: _SourceProbe | _ReplayProbe | None = None
+        if attribute:
+            if adaptive or type(model).__name__ == "OptimizedModule":
+                self._probe = _SourceProbe(modules, backward=adaptive)
+            else:
+                self._probe = _ReplayProbe(self.root, modules)
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
                      "this point")
@@ -525,7 +715,9 @@ class PrecisionController:
         (finite forward, scale above 1), which is the loss scaler's routine and logged at INFO."""
         where = (f" in {', '.join(n or '(root)' for n in nonfinite[:6])}{' ...' if len(nonfinite) > 6 else ''}"
                  if nonfinite else "")
-        if a is not None and a.source is not None:
+        if a is not None and a.unreproduced:
+            origin = f"no source named: the forward could not be replayed exactly ({a.unreproduced})"
+        elif a is not None and a.source is not None:
             origin = f"they start in {a.source or '(root)'!r}: {a.detail}"
         elif a is not None and a.forward_nonfinite:
             origin = "no module turned finite inputs into non-finite outputs (the model's inputs were not finite)"

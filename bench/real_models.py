@@ -1,0 +1,224 @@
+"""P1 and P5 on the models people actually train (issue 14 item 7): audit cost against one FP32 training step.
+
+    python bench/real_models.py [--models gpt2,bert,...] [--audit-args "--kernels python"] [--json out.json]
+
+Each model is built from transformers' default configuration with random weights (nothing is downloaded:
+``HF_HUB_OFFLINE=1``, no ``from_pretrained``), in train mode as built, on a small batch chosen so that one FP32
+forward+backward takes roughly 0.3-3 s on a 2-core CPU:
+
+    gpt2      GPT-2 124M (GPT2Config())                                   1 x 64 tokens
+    bert      BERT-base (BertConfig(), masked LM)                         1 x 64 tokens
+    t5        T5-small (T5Config())                                       2 x 64 tokens
+    llama     Llama-style decoder, GPT-2's width and depth (768 x 12)     1 x 64 tokens
+    vit       ViT-B/16 (ViTConfig())                                      1 image, 224 x 224
+    resnet50  ResNet-50 (ResNetConfig())                                  2 images, 224 x 224
+    convnext  ConvNeXt-T (ConvNextConfig())                               1 image, 224 x 224
+    whisper   Whisper-tiny (WhisperConfig() at tiny's sizes)              1 x 10 s of log-mel, 32 decoder tokens
+
+Per model, in fresh subprocesses (one for the training steps, one for the audit):
+
+- FP32 step: the median of 3 timed forward+backward steps (after one warm-up step);
+- audit: the wall time of ``run_audit`` with default options (emulated mode on a CPU, both formats, the report
+  written), loading the model and the batch from the files as a user's ``precision-audit audit`` would;
+- P1 = audit / FP32 step (goal: at most 8x for the median model, at most 12x for every model);
+- peak RSS above the post-import baseline (torch, transformers and precision_audit imported; the model itself
+  is built afterwards, so it is part of both figures), for one training step (VmHWM after the warm-up step) and
+  for the audit (Linux: VmHWM reset through /proc/self/clear_refs);
+- P5 = audit peak / training-step peak (goal: at most 1.5x).
+
+``--profile DIR`` also writes a cProfile of each audit (``DIR/<model>.prof``; read it with ``python -m pstats``).
+Not a test: the whole set takes many minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (config class, model class, config kwargs, batch kind, batch, sequence or image size)
+MODELS: dict[str, tuple[str, str, dict, str, int, int]] = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}, "causal", 1, 64),
+    "bert": ("BertConfig", "BertForMaskedLM", {}, "masked", 1, 64),
+    "t5": ("T5Config", "T5ForConditionalGeneration", {"decoder_start_token_id": 0}, "seq2seq", 2, 64),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                   num_key_value_heads=12), "causal", 1, 64),
+    "vit": ("ViTConfig", "ViTForImageClassification", {}, "image", 1, 224),
+    "resnet50": ("ResNetConfig", "ResNetForImageClassification", {}, "image", 2, 224),
+    "convnext": ("ConvNextConfig", "ConvNextForImageClassification", {}, "image", 1, 224),
+    # WhisperConfig()'s defaults are a larger model; these are openai/whisper-tiny's sizes, with 10 s of audio
+    # (500 encoder positions) instead of 30 s so that one step fits the time band
+    "whisper": ("WhisperConfig", "WhisperForConditionalGeneration",
+                dict(d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
+                     decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
+                     max_source_positions=500),
+                "speech", 1, 32),
+}
+
+MODEL_PY = '''\
+import torch
+from transformers import {config_cls}, {model_cls}
+
+CONFIG = {config!r}
+
+
+def build_model():
+    torch.manual_seed(0)
+    return {model_cls}({config_cls}(**CONFIG))
+'''
+
+CHILD = r'''
+import gc, json, os, statistics, sys, time
+os.environ["HF_HUB_OFFLINE"] = "1"; os.environ["TRANSFORMERS_OFFLINE"] = "1"
+what, model_py, sample, out, prof = sys.argv[1:6]
+import torch
+import transformers  # noqa: F401  (part of the baseline: both children import it before measuring)
+import precision_audit
+from precision_audit.audit import AuditOptions, run_audit
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+gc.collect(); reset_peak()
+base = status("VmRSS")
+result = {"threads": torch.get_num_threads(), "module": precision_audit.__file__}
+if what == "step":
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_model", model_py)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    model = mod.build_model()
+    batch = torch.load(sample)
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+    step()  # warm-up: its peak is the training step's (gradients allocated, activations alive at backward)
+    result["peak_bytes"] = status("VmHWM") - base
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+    result["step_s"] = statistics.median(times)
+    result["step_times"] = times
+else:
+    extra = json.loads(sys.argv[6])
+    opts = AuditOptions(model=model_py, batch=sample, out=out, **extra)
+    t0 = time.perf_counter()
+    if prof:
+        import cProfile
+        pr = cProfile.Profile(); pr.enable()
+    r = run_audit(opts)
+    if prof:
+        pr.disable(); pr.dump_stats(prof)
+    result["audit_s"] = time.perf_counter() - t0
+    result["peak_bytes"] = status("VmHWM") - base
+    result["exit_code"] = r.exit_code
+    a = json.load(open(os.path.join(out, "audit.json")))
+    result["kernels"] = (a.get("emulation") or {}).get("kernels") or a["options"].get("kernels")
+    result["stage_s"] = {k: v for k, v in a.get("timing", {}).items()} if isinstance(a.get("timing"), dict) else None
+print(json.dumps(result))
+'''
+
+
+def _batch(kind: str, batch: int, size: int, cfg) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "image":
+        return {"pixel_values": torch.randn(batch, 3, size, size, generator=g),
+                "labels": torch.randint(0, getattr(cfg, "num_labels", 2), (batch,), generator=g)}
+    if kind == "speech":
+        feats = torch.randn(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g)
+        labels = torch.randint(1, cfg.vocab_size, (batch, size), generator=g)
+        return {"input_features": feats, "labels": labels}
+    ids = torch.randint(1, cfg.vocab_size, (batch, size), generator=g)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    if kind == "masked":
+        out["labels"][:, ::2] = -100
+    return out
+
+
+def prepare(name: str, work: Path) -> tuple[Path, Path]:
+    import torch
+    import transformers
+
+    cfg_cls, model_cls, kwargs, kind, batch, size = MODELS[name]
+    cfg = getattr(transformers, cfg_cls)(**kwargs)
+    d = work / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "model.py").write_text(MODEL_PY.format(config_cls=cfg_cls, model_cls=model_cls, config=kwargs))
+    torch.save(_batch(kind, batch, size, cfg), d / "sample.pt")
+    return d / "model.py", d / "sample.pt"
+
+
+def child(what: str, model_py: Path, sample: Path, out: Path, prof: str = "", extra: dict | None = None) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", CHILD, what, str(model_py), str(sample), str(out), prof,
+                        json.dumps(extra or {})], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"{what} child failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    ap.add_argument("--kernels", default=None, help="pass --kernels to the audit (default: its own default)")
+    ap.add_argument("--json", default=None, help="also write the per-model results here")
+    ap.add_argument("--profile", default=None, help="write a cProfile of each audit into this folder")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    extra = {"kernels": args.kernels} if args.kernels else {}
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    print(f"{os.cpu_count()} cpus, load average {_load()} at start; audit options: defaults{extra or ''}", flush=True)
+    print(f"{'model':<10} {'FP32 step':>10} {'audit':>9} {'P1':>7} {'step peak':>10} {'audit peak':>11} {'P5':>6} "
+          f"{'kernels':>9} {'load':>14}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            model_py, sample = prepare(name, Path(tmp))
+            step = child("step", model_py, sample, Path(tmp) / name / "o")
+            prof = str(Path(args.profile) / f"{name}.prof") if args.profile else ""
+            audit = child("audit", model_py, sample, Path(tmp) / name / "out", prof, extra)
+            p1 = audit["audit_s"] / step["step_s"]
+            p5 = audit["peak_bytes"] / max(step["peak_bytes"], 1)
+            row = {"model": name, "step_s": step["step_s"], "step_times": step["step_times"],
+                   "audit_s": audit["audit_s"], "p1": p1, "step_peak_mb": step["peak_bytes"] / 2 ** 20,
+                   "audit_peak_mb": audit["peak_bytes"] / 2 ** 20, "p5": p5, "kernels": audit["kernels"],
+                   "exit_code": audit["exit_code"], "load": _load(), "threads": audit["threads"]}
+            rows.append(row)
+            print(f"{name:<10} {step['step_s']:>9.2f}s {audit['audit_s']:>8.1f}s {p1:>6.1f}x "
+                  f"{row['step_peak_mb']:>8.0f}MB {row['audit_peak_mb']:>9.0f}MB {p5:>5.2f}x {str(row['kernels']):>9} "
+                  f"{row['load']:>14}", flush=True)
+    if len(rows) > 1:
+        print(f"median P1 {statistics.median(r['p1'] for r in rows):.1f}x, max P1 {max(r['p1'] for r in rows):.1f}x; "
+              f"max P5 {max(r['p5'] for r in rows):.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
