@@ -38,6 +38,7 @@ from ..formats import LOW_PRECISION_DTYPES, Format
 from ..outputs import _NoInterrupt
 from ..tf32_switches import tf32_switches
 from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
+from .gemm_mode import Tf32GemmMode
 from .failures import RunFailure
 from .format_pass import FormatPasses
 from .memory import SavedTensorCounter
@@ -73,8 +74,8 @@ class CaptureConfig:
         if self.mode == "cuda" and not self.device.startswith("cuda"):
             raise ValueError("mode 'cuda' needs a cuda device")
         for f in self.formats:
-            if f not in LOW_PRECISION_DTYPES:
-                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16)")
+            if f not in LOW_PRECISION_DTYPES and f is not Format.TF32:
+                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16, tf32)")
         if self.timed_steps < 0:
             raise ValueError("timed_steps must be >= 0")
 
@@ -235,6 +236,10 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     @contextlib.contextmanager
     def _autocast(self, fmt: Format) -> Iterator[None]:
+        if fmt is Format.TF32:  # no autocast: fp32 with TF32 GEMMs (docs/emulation.md, "TF32")
+            with self._tf32():
+                yield
+            return
         dtype = LOW_PRECISION_DTYPES[fmt]
         if self.config.mode == "cuda":
             with torch.autocast("cuda", dtype=dtype):
@@ -244,8 +249,24 @@ class CaptureSession(ReferencePass, FormatPasses):
                 yield
 
     @contextlib.contextmanager
-    def _backward_context(self) -> Iterator[None]:
-        if self.config.mode == "emulated" and self._use_gemm_mode:
+    def _tf32(self) -> Iterator[None]:
+        """The TF32 pass's numerics: on CUDA both TF32 switches on (cuBLAS and cuDNN), the user's exact settings
+        restored after; emulated, :class:`Tf32GemmMode` rounds every fp32 GEMM's operands to TF32."""
+        if self.config.mode == "cuda":
+            with tf32_switches(matmul=True, cudnn=True):
+                yield
+        else:
+            with Tf32GemmMode():
+                yield
+
+    @contextlib.contextmanager
+    def _backward_context(self, fmt: Format | None = None) -> Iterator[None]:
+        """The backward of a ``fmt`` pass: TF32's gradient GEMMs on TF32 too; emulated fp16/bf16 under the
+        fp32-fallback dispatch mode once it is on."""
+        if fmt is Format.TF32:
+            with self._tf32():
+                yield
+        elif self.config.mode == "emulated" and self._use_gemm_mode:
             with self._gemm:
                 yield
         else:
