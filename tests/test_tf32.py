@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from fakecuda import fake_cuda  # noqa: F401 - the fixture
 from precision_audit.analysis.findings import Budget, FormatSummary
 from precision_audit.capture.gemm_mode import Tf32GemmMode, round_to_tf32
 from precision_audit.formats import SPECS, Format
@@ -264,3 +265,36 @@ def test_tf32_switches_follow_the_measurement_not_the_target():
     assert not on and "pinned to fp32 for their local error (a)" in why
     assert tf32_decision(h100, Plan(default_format=Format.TF32, default_reason="t"), None)[0]
     assert not tf32_decision(resolve_target("v100"), bf16, _summary(True))[0]
+
+
+# --- cuda mode (under the fake device, tests/fakecuda.py): the TF32 pass switches TF32 on, forward and backward ---
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("user", ["default", "legacy-medium", "new-conv-ieee"])
+def test_the_cuda_tf32_pass_runs_forward_and_backward_with_both_switches_on_and_restores_the_users(user, fake_cuda):
+    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.tf32_switches import restore, snapshot, tf32_enabled
+
+    saved = snapshot()
+    try:
+        {"default": lambda: None,
+         "legacy-medium": lambda: torch.set_float32_matmul_precision("medium"),
+         "new-conv-ieee": lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee")}[user]()
+        before = snapshot()
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        forward, backward = [], []
+        model[0].register_forward_pre_hook(lambda m, a: forward.append(tf32_enabled()))
+        model[0].register_full_backward_hook(lambda m, gi, go: backward.append(tf32_enabled()))
+        x = torch.randn(4, 8, device="cuda")
+        cfg = CaptureConfig(formats=(Format.TF32,), device="cuda", mode="cuda")
+        with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(), cfg) as s:
+            s.reference_run()
+            run = s.format_run(Format.TF32)
+        assert run.error is None
+        # the reference (forward, its re-run alone in TF32, backward), then the TF32 pass
+        assert forward == [(False, False), (True, True), (True, True)]
+        assert backward == [(False, False), (True, True)]
+        assert snapshot() == before
+    finally:
+        restore(saved)
