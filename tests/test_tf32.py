@@ -202,6 +202,7 @@ def test_the_tf32_pass_measures_the_known_error_of_a_hand_made_model_and_turns_t
     r = _audit()
     a = r.audit
     assert a["formats"] == ["tf32"]
+    assert "aten.mm.default" in a["emulation"]["tf32"]["gemm_ops"] and a["emulation"]["tf32"]["known_gaps"]
     out = a["summary"]["tf32"]
     assert out["output"]["rel_l2"] == pytest.approx(EXPECTED_REL, rel=1e-6) and out["safe"]
     # loss = sum(x) * W in FP32, sum(x) * (1 + 2^-10) in TF32

@@ -283,3 +283,24 @@ class Tf32GemmMode(TorchDispatchMode):
                 self.gemm_calls += 1
                 args = tuple(_tf32_operand(a) if i in operands else a for i, a in enumerate(args))
         return func(*args, **kwargs)
+
+
+#: What the TF32 emulation leaves out (docs/emulation.md, "TF32"); listed in audit.json's ``emulation.tf32`` when a
+#: TF32 pass ran emulated.
+TF32_KNOWN_GAPS: tuple[str, ...] = (
+    "inputs are rounded to nearest, ties to even (cuBLAS's documented TF32 input conversion); a kernel that feeds "
+    "raw fp32 registers to the MMA instruction truncates instead (error up to 2^-10 per operand, not 2^-11)",
+    "Tensor Core accumulation order is modelled as one fp32 sum per output (CPU order)",
+    "fp32 scaled_dot_product_attention runs as one fused CPU kernel and is not rounded; on CUDA whether it uses "
+    "TF32 depends on the attention backend torch picks (the math backend's bmm does)",
+    "mv / addmv / dot stay IEEE fp32 (cuBLAS gemv and dot have no Tensor Core path); nn.LSTM / nn.GRU (cuDNN RNN "
+    "TF32) are not rounded",
+)
+
+#: audit.json's ``emulation.tf32`` for an emulated TF32 pass.
+TF32_EMULATION: dict[str, Any] = {
+    "rounding": "each GEMM operand rounded to TF32 (10-bit mantissa, round to nearest even, fp32's exponent range), "
+                "fp32 accumulation and output; every other op IEEE fp32",
+    "gemm_ops": sorted(str(op) for op in _TF32_GEMM_OPERANDS),
+    "known_gaps": list(TF32_KNOWN_GAPS),
+}

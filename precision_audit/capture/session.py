@@ -24,6 +24,7 @@ FP32 outputs of the reference pass, which the low-precision passes are compared 
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -38,9 +39,9 @@ from ..formats import LOW_PRECISION_DTYPES, Format
 from ..outputs import _NoInterrupt
 from ..tf32_switches import tf32_switches
 from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
-from .gemm_mode import Tf32GemmMode
 from .failures import RunFailure
 from .format_pass import FormatPasses
+from .gemm_mode import TF32_EMULATION, Tf32GemmMode
 from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
@@ -155,7 +156,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._timer = StepTimer(self)
 
     # -- context -------------------------------------------------------------------------------------
-    def __enter__(self) -> "CaptureSession":
+    def __enter__(self) -> CaptureSession:
         es = self._exit
         try:
             # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device
@@ -470,6 +471,8 @@ class CaptureSession(ReferencePass, FormatPasses):
                 "fp32_fallback_ops": sorted(self._gemm.fallback_ops),
                 "known_gaps": list(KNOWN_GAPS),
             }
+            if Format.TF32 in self.config.formats:  # only then: a default audit's audit.json stays as it was
+                emulation["tf32"] = copy.deepcopy(TF32_EMULATION)
         return CaptureResult(
             mode=self.config.mode,
             device=self.config.device,

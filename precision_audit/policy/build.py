@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 DEFAULT_INIT_SCALE = 65536.0
 
 
-def tf32_decision(target: GpuSpec, plan: "Plan", tf32: "FormatSummary | None") -> tuple[bool, str]:
+def tf32_decision(target: GpuSpec, plan: Plan, tf32: FormatSummary | None) -> tuple[bool, str]:
     """(on, why) for the policy's two TF32 switches (cuBLAS matmuls, cuDNN convolutions), from the TF32 pass.
 
     TF32 is switched on only when this audit measured it (``--formats ...,tf32``) within the budget, or when the
@@ -49,8 +49,8 @@ def tf32_decision(target: GpuSpec, plan: "Plan", tf32: "FormatSummary | None") -
     return True, f"on: the TF32 pass is within budget ({tf32.verdict.removeprefix('safe as is: ')})"
 
 
-def build_policy(model: torch.nn.Module, fingerprint: str, n_modules: int, target: GpuSpec, plan: "Plan",
-                 recommended_scale: float | None, tf32: "FormatSummary | None" = None) -> Policy:
+def build_policy(model: torch.nn.Module, fingerprint: str, n_modules: int, target: GpuSpec, plan: Plan,
+                 recommended_scale: float | None, tf32: FormatSummary | None = None) -> Policy:
     """The policy of ``plan`` for ``model`` on ``target``.
 
     Loss scaling is on when any module runs in FP16, starting at ``recommended_scale`` (the loss scale found for
