@@ -225,6 +225,10 @@ def test_tf32_measured_within_budget_beside_bf16_turns_the_switches_on_for_a_bf1
     p = r.policy
     assert p.default_format == "bf16" and p.tf32_matmul and p.tf32_cudnn
     assert p.extra["tf32_reason"].startswith("on: the TF32 pass is within budget (loss change 2.44e-04")
+    import re
+
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", r.html))
+    assert text.count("est. tf32") == 1  # the GEMM table's tf32 column once, though tf32 is also audited
 
 
 def test_a_tf32_error_over_the_budget_switches_tf32_off_with_the_measured_figure():
