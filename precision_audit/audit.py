@@ -388,7 +388,8 @@ def _policy(model: torch.nn.Module, fp: str, n_modules: int, target: GpuSpec, pl
             analysis: Analysis) -> Policy:
     """The policy of ``plan``, its loss scale the one found for the modules the plan runs in FP16."""
     ls = analysis.loss_scale.for_plan(plan) if analysis.loss_scale else None
-    return build_policy(model, fp, n_modules, target, plan, ls.recommended_scale if ls else None)
+    return build_policy(model, fp, n_modules, target, plan, ls.recommended_scale if ls else None,
+                        analysis.summaries.get(Format.TF32))
 
 
 def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Progress

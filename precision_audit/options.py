@@ -14,7 +14,7 @@ from typing import Any
 from .analysis.findings import Budget
 from .capture.compiled import KERNEL_CHOICES
 from .errors import SEED_MAX, SEED_MIN, OptionError
-from .formats import CAPTURE_FORMATS, Format, parse_formats
+from .formats import CAPTURE_FORMATS, DEFAULT_FORMATS, Format, parse_formats
 from .fp8.audit import SKIP_REASON as FP8_SKIP_REASON
 from .fp8.audit import requested as fp8_requested
 from .gpus import GpuSpec
@@ -145,7 +145,7 @@ def resolve_steps(steps: int | None, mode: str) -> int:
 
 
 def select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, ...], list[dict[str, str]]]:
-    requested = opts.formats or (Format.FP16, Format.BF16)
+    requested = opts.formats or DEFAULT_FORMATS
     chosen, skipped = [], []
     for f in requested:
         if f is Format.FP32:
@@ -156,7 +156,9 @@ def select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, .
         elif not target.supports(f.value):
             skipped.append({"format": f.value,
                             "reason": f"not a candidate: {target.name} (compute capability {target.cc_string}) "
-                                      f"has no {f} Tensor Cores"})
+                                      f"has no {f} Tensor Cores"
+                                      + (" (TF32 needs Ampere, compute capability 8.0, or newer)"
+                                         if f is Format.TF32 else "")})
         else:
             chosen.append(f)
     if not chosen and opts.formats and not fp8_requested(opts.formats):

@@ -266,7 +266,7 @@ def _summary(run: RunRecord, ref_loss: float, budget: Budget, fp32_bad: Fp32NonF
     fmt = run.format
     if run.error:
         return FormatSummary(fmt, None, None, None, 0, 0, run.loss_scale, run.error, False,
-                             f"not measured: the model raised under {fmt} autocast: {run.error}")
+                             f"not measured: the model raised under {fmt}{'' if fmt is Format.TF32 else ' autocast'}: {run.error}")
     loss_change = None
     if run.loss is not None and math.isfinite(run.loss):
         loss_change = abs(run.loss - ref_loss) / abs(ref_loss) if ref_loss else abs(run.loss)

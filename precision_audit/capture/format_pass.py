@@ -49,7 +49,7 @@ class FormatPasses:
             self._phase = None
             # grads are recorded per layer through the hooks registered during the forward
             try:
-                with self._backward_context():
+                with self._backward_context(fmt):
                     (loss.float() * loss_scale).backward()
             except torch.OutOfMemoryError:
                 raise

@@ -213,3 +213,94 @@ def is_missing_low_precision_kernel(e: BaseException) -> bool:
     msg = str(e)
     return isinstance(e, (NotImplementedError, RuntimeError)) and (
         "not implemented for 'Half'" in msg or "not implemented for 'BFloat16'" in msg)
+
+
+# --- TF32 (docs/emulation.md, "TF32") -----------------------------------------------------------------------------
+
+#: The low mantissa bits TF32 drops from an fp32 value (23 explicit bits -> 10).
+TF32_DROPPED_BITS = 13
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to TF32's 10-bit mantissa, round-to-nearest-even, as float32 with the low 13 mantissa
+    bits zero. The exponent range stays fp32's: subnormals round on the same grid (kept, not flushed), a value at
+    or above (2 - 2^-11) * 2^127 becomes inf, inf and NaN pass unchanged.
+
+    The carry of the rounding runs into the exponent field (1.11...1b rounds up to the next power of two, the
+    largest subnormal up to the smallest normal, the largest finite values up to inf), which is what IEEE rounding
+    to a narrower mantissa does.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_to_tf32 takes float32, not {x.dtype}")
+    b = x.contiguous().view(torch.int32)
+    lsb = (b >> TF32_DROPPED_BITS) & 1  # the kept mantissa's last bit: a tie goes to the even neighbour
+    half = (1 << (TF32_DROPPED_BITS - 1)) - 1  # 0x0FFF: below half rounds down, above it carries
+    r = (b + half + lsb) & ~((1 << TF32_DROPPED_BITS) - 1)
+    return torch.where(torch.isfinite(x), r.view(torch.float32), x)
+
+
+# GEMM ops that cuBLAS (allow_tf32 / fp32_precision "tf32") and cuDNN (cudnn.allow_tf32) run on TF32 Tensor Cores
+# when their inputs are float32: {op: indices of the arguments that are GEMM operands (rounded)}. An addend
+# (addmm's ``self``, a convolution's bias) enters the fp32 epilogue and is not rounded. mv / addmv / dot run as
+# cuBLAS gemv / dot, which have no Tensor Core path, so they stay exact fp32.
+_TF32_GEMM_OPERANDS: dict[Any, tuple[int, ...]] = {
+    _aten.mm.default: (0, 1),
+    _aten.bmm.default: (0, 1),
+    _aten.addmm.default: (1, 2),
+    _aten.baddbmm.default: (1, 2),
+    _aten.addbmm.default: (1, 2),
+    _aten._addmm_activation.default: (1, 2),
+    _aten.addmm_.default: (1, 2),
+    _aten.baddbmm_.default: (1, 2),
+    _aten.convolution.default: (0, 1),
+    _aten._convolution.default: (0, 1),
+    # (grad_output, input, weight): the dgrad and wgrad GEMMs read all three
+    _aten.convolution_backward.default: (0, 1, 2),
+}
+
+
+def _tf32_operand(t: Any) -> Any:
+    return round_to_tf32(t) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+
+class Tf32GemmMode(TorchDispatchMode):
+    """float32 GEMMs and convolutions as TF32 Tensor Cores compute them: each GEMM operand rounded to TF32
+    (:func:`round_to_tf32`), the products accumulated in fp32, the output fp32. Every other op stays fp32.
+
+    Keep it active through ``backward()``: the gradient GEMMs (mm, convolution_backward) run on TF32 too.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemm_calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        operands = _TF32_GEMM_OPERANDS.get(func)
+        if operands is not None:
+            floats = [t for t in _flat_tensors((args, kwargs)) if t.is_floating_point()]
+            if floats and all(t.dtype == torch.float32 for t in floats):
+                self.gemm_calls += 1
+                args = tuple(_tf32_operand(a) if i in operands else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+#: What the TF32 emulation leaves out (docs/emulation.md, "TF32"); listed in audit.json's ``emulation.tf32`` when a
+#: TF32 pass ran emulated.
+TF32_KNOWN_GAPS: tuple[str, ...] = (
+    "inputs are rounded to nearest, ties to even (cuBLAS's documented TF32 input conversion); a kernel that feeds "
+    "raw fp32 registers to the MMA instruction truncates instead (error up to 2^-10 per operand, not 2^-11)",
+    "Tensor Core accumulation order is modelled as one fp32 sum per output (CPU order)",
+    "fp32 scaled_dot_product_attention runs as one fused CPU kernel and is not rounded; on CUDA whether it uses "
+    "TF32 depends on the attention backend torch picks (the math backend's bmm does)",
+    "mv / addmv / dot stay IEEE fp32 (cuBLAS gemv and dot have no Tensor Core path); nn.LSTM / nn.GRU (cuDNN RNN "
+    "TF32) are not rounded",
+)
+
+#: audit.json's ``emulation.tf32`` for an emulated TF32 pass.
+TF32_EMULATION: dict[str, Any] = {
+    "rounding": "each GEMM operand rounded to TF32 (10-bit mantissa, round to nearest even, fp32's exponent range), "
+                "fp32 accumulation and output; every other op IEEE fp32",
+    "gemm_ops": sorted(str(op) for op in _TF32_GEMM_OPERANDS),
+    "known_gaps": list(TF32_KNOWN_GAPS),
+}

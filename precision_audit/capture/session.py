@@ -24,6 +24,7 @@ FP32 outputs of the reference pass, which the low-precision passes are compared 
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from ..tf32_switches import tf32_switches
 from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
 from .failures import RunFailure
 from .format_pass import FormatPasses
+from .gemm_mode import TF32_EMULATION, Tf32GemmMode
 from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
@@ -73,8 +75,8 @@ class CaptureConfig:
         if self.mode == "cuda" and not self.device.startswith("cuda"):
             raise ValueError("mode 'cuda' needs a cuda device")
         for f in self.formats:
-            if f not in LOW_PRECISION_DTYPES:
-                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16)")
+            if f not in LOW_PRECISION_DTYPES and f is not Format.TF32:
+                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16, tf32)")
         if self.timed_steps < 0:
             raise ValueError("timed_steps must be >= 0")
 
@@ -154,7 +156,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._timer = StepTimer(self)
 
     # -- context -------------------------------------------------------------------------------------
-    def __enter__(self) -> "CaptureSession":
+    def __enter__(self) -> CaptureSession:
         es = self._exit
         try:
             # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device
@@ -235,6 +237,10 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     @contextlib.contextmanager
     def _autocast(self, fmt: Format) -> Iterator[None]:
+        if fmt is Format.TF32:  # no autocast: fp32 with TF32 GEMMs (docs/emulation.md, "TF32")
+            with self._tf32():
+                yield
+            return
         dtype = LOW_PRECISION_DTYPES[fmt]
         if self.config.mode == "cuda":
             with torch.autocast("cuda", dtype=dtype):
@@ -244,8 +250,24 @@ class CaptureSession(ReferencePass, FormatPasses):
                 yield
 
     @contextlib.contextmanager
-    def _backward_context(self) -> Iterator[None]:
-        if self.config.mode == "emulated" and self._use_gemm_mode:
+    def _tf32(self) -> Iterator[None]:
+        """The TF32 pass's numerics: on CUDA both TF32 switches on (cuBLAS and cuDNN), the user's exact settings
+        restored after; emulated, :class:`Tf32GemmMode` rounds every fp32 GEMM's operands to TF32."""
+        if self.config.mode == "cuda":
+            with tf32_switches(matmul=True, cudnn=True):
+                yield
+        else:
+            with Tf32GemmMode():
+                yield
+
+    @contextlib.contextmanager
+    def _backward_context(self, fmt: Format | None = None) -> Iterator[None]:
+        """The backward of a ``fmt`` pass: TF32's gradient GEMMs on TF32 too; emulated fp16/bf16 under the
+        fp32-fallback dispatch mode once it is on."""
+        if fmt is Format.TF32:
+            with self._tf32():
+                yield
+        elif self.config.mode == "emulated" and self._use_gemm_mode:
             with self._gemm:
                 yield
         else:
@@ -449,6 +471,8 @@ class CaptureSession(ReferencePass, FormatPasses):
                 "fp32_fallback_ops": sorted(self._gemm.fallback_ops),
                 "known_gaps": list(KNOWN_GAPS),
             }
+            if Format.TF32 in self.config.formats:  # only then: a default audit's audit.json stays as it was
+                emulation["tf32"] = copy.deepcopy(TF32_EMULATION)
         return CaptureResult(
             mode=self.config.mode,
             device=self.config.device,

@@ -103,7 +103,7 @@ class StepTimer:
         else:
             with s._autocast(fmt):
                 loss = s._loss_of(s._forward(s.model))
-            with s._backward_context():
+            with s._backward_context(fmt):
                 loss.float().backward()
 
     def _clean_steps(self, fmt: Format | None, steps: int) -> list[float]:

@@ -102,7 +102,7 @@ def _audit_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", metavar="GPU", type=_target, help="target GPU name or alias, e.g. h100, a100, v100 "
                    "(default: the detected GPU, else H100 SXM; see `precision-audit targets`)")
     p.add_argument("--formats", metavar="LIST", help="comma-separated formats to audit (default: fp16,bf16 where "
-                   "the target supports them)")
+                   "the target supports them; add tf32 to measure TF32, fp8_e4m3 for the FP8 stage)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="where the model runs (default: cuda when available)")
     p.add_argument("--emulate", action="store_true", help="emulate CUDA numerics on the CPU even when a GPU is present")

@@ -212,9 +212,14 @@ def plan_mixed_precision(analysis: Analysis, capture, perf, candidates_formats: 
     The planner decides the modules with a GEMM of their own (:func:`_planner_candidates`); every other module
     gets its format and reason here (:func:`_layer_plans`): overflow refusals, containers, tied parameters.
     This is one candidate; planning/select.py weighs it against the uniform formats.
+
+    Its per-module candidates are the 16-bit formats. TF32 is not one: it is a pair of global switches (cuBLAS,
+    cuDNN) rather than a per-module autocast dtype, so a measured TF32 pass enters the plan as the "uniform tf32"
+    candidate of select.py and as the policy's TF32 switches (policy/build.py; docs/plan.md, "TF32").
     """
     from .planner import FORMAT_PREFERENCE, plan_formats
 
+    candidates_formats = tuple(f for f in candidates_formats if f in LOW_PRECISION_FORMATS)
     default, why = choose_default(candidates_formats, target_name)
     if default is Format.FP32:
         return plan_by_rules(analysis, candidates_formats, target_name), None

@@ -231,7 +231,7 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
     view["cost_gaps"] = sorted({L["cost_note"] for L in layers if not L.get("cost") and _is_gap(L.get("cost_note"))})
     view["misaligned"] = misaligned_rows(layers)  # audit.json files written before the ranked "alignment"
     view["gemms"] = gemm_rows(layers)
-    view["gemm_formats"] = [f for f in ["fp32", "tf32", *formats]
+    view["gemm_formats"] = [f for f in dict.fromkeys(["fp32", "tf32", *formats])  # tf32 once, when audited too
                             if any(f in r["times"] for r in view["gemms"])]
     view["has_alignment"] = any(isinstance(L.get("alignment"), (list, tuple, Mapping)) for L in layers)
     view["alignment_gaps"] = sorted({L["alignment_note"] for L in layers
