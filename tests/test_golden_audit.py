@@ -53,11 +53,16 @@ def differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {str(a)[:80]!r} stored, {str(b)[:80]!r} new"]
 
 
+def read_as_stored(path: Path) -> dict:
+    """A new audit.json with the checkout's path written as the stored files write it (``<ROOT>``)."""
+    return json.loads(path.read_text().replace(json.dumps(str(ROOT))[1:-1], "<ROOT>"))
+
+
 @pytest.mark.parametrize("name", SAMPLES)
 def test_audit_json_equals_the_stored_one(sample_audits, name):
     stored = json.loads((GOLDEN / f"{name}.audit.json").read_text())
     _, out, _ = sample_audits.get(name)
-    new = json.loads((out / "audit.json").read_text().replace(json.dumps(str(ROOT))[1:-1], "<ROOT>"))
+    new = read_as_stored(out / "audit.json")
     diff = differences(stored, new)
     assert not diff, f"{len(diff)} field(s) differ from tests/golden/{name}.audit.json:\n" + "\n".join(diff[:40])
 

@@ -12,6 +12,8 @@ import logging
 import torch
 import torch.nn as nn
 
+import precision_audit as pa
+
 from precision_audit.runtime.controller import _ReplayProbe, _SourceProbe
 from test_runtime_nonfinite import Chain, _chain_policy
 
@@ -45,7 +47,7 @@ def test_clean_steps_install_no_per_module_hooks_and_a_bad_step_is_replayed():
     torch.manual_seed(0)
     model = Noisy()
     policy = _chain_policy(model, "fp32")
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), device="cpu")
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), policy, device="cpu")
     assert isinstance(ctl._probe, _ReplayProbe)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules() if m is not model)
     x = torch.randn(16, 8)
@@ -86,7 +88,7 @@ def test_a_source_inside_a_dropout_block_is_found_with_the_same_mask():
     spike = {"on": False}
     model.drop.register_forward_hook(lambda m, i, o: o * 1e39 if spike["on"] else o)
     policy = _chain_policy(model, "fp32")
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), device="cpu")
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), policy, device="cpu")
     spike["on"] = True
     rec = ctl.step(model(torch.randn(4, 64)).sum())
     assert rec.skipped and rec.sources == ("drop",), rec.sources
@@ -99,9 +101,9 @@ def test_a_step_the_replay_cannot_reproduce_names_no_source_and_says_why(caplog)
     fault = {"on": True}
     model.b.register_forward_hook(lambda m, i, o: o * 1e39 if fault["on"] else o)
     policy = _chain_policy(model)
-    ctl = policy.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
     caplog.set_level(logging.WARNING, logger="precision_audit")
-    with policy.autocast("cpu"):
+    with pa.autocast(policy, "cpu"):
         loss = model(torch.randn(4, 8)).float().pow(2).mean()
     fault["on"] = False  # state outside the model changed between the forward and the step
     rec = ctl.step(loss)
@@ -120,7 +122,7 @@ def test_a_step_the_replay_cannot_reproduce_names_no_source_and_says_why(caplog)
 
     model = Scaled()
     model.chain.b.register_forward_hook(lambda m, i, o: o * 1e39)
-    ctl = _chain_policy(model).controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), _chain_policy(model), device="cpu")
     x = torch.randn(4, 8)
     loss = model(x).float().pow(2).mean()
     x.mul_(2)  # an input modified in place after the forward
@@ -133,7 +135,7 @@ def test_a_step_the_replay_cannot_reproduce_names_no_source_and_says_why(caplog)
 def test_adaptive_mode_keeps_the_per_call_hooks():
     torch.manual_seed(0)
     model = Chain()
-    ctl = _chain_policy(model).controller(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.1), _chain_policy(model), device="cpu",
                                            adaptive=True)
     assert isinstance(ctl._probe, _SourceProbe) and model.a._forward_hooks
     ctl.close()
