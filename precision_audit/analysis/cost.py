@@ -93,17 +93,23 @@ def bytes_time(nbytes: float, target: GpuSpec) -> float:
     return nbytes / (target.bandwidth_gbps * 1e9)
 
 
-def kernel_time(roofline_s: float, floor_s: float = KERNEL_FLOOR_S) -> float:
+def floor() -> float:
+    """The per-kernel floor in force: KERNEL_FLOOR_S, read when called (a test of plan logic on a toy model
+    may set it to 0, where every plan would otherwise tie at the floor)."""
+    return KERNEL_FLOOR_S
+
+
+def kernel_time(roofline_s: float, floor_s: float | None = None) -> float:
     """One kernel's estimated time: its roofline, never below the per-kernel floor."""
-    return max(roofline_s, floor_s)
+    return max(roofline_s, floor() if floor_s is None else floor_s)
 
 
-def gemm_step_time(g: GemmOp, fmt: Format, target: GpuSpec, floor_s: float = KERNEL_FLOOR_S) -> float:
+def gemm_step_time(g: GemmOp, fmt: Format, target: GpuSpec, floor_s: float | None = None) -> float:
     """Forward + backward of one call of ``g``: 1 + BACKWARD_GEMM_KERNELS GEMMs of its size, each floored."""
     return (1 + BACKWARD_GEMM_KERNELS) * kernel_time(gemm_time(g, fmt, target), floor_s)
 
 
-def other_step_time(elements: int, element_bytes: int, target: GpuSpec, floor_s: float = KERNEL_FLOOR_S) -> float:
+def other_step_time(elements: int, element_bytes: int, target: GpuSpec, floor_s: float | None = None) -> float:
     """Forward + backward of one non-GEMM op that read and wrote ``elements``: the forward kernel moves their
     bytes, the backward's kernel(s) twice as many; each kernel floored."""
     fwd = bytes_time(elements * element_bytes, target)
@@ -137,11 +143,12 @@ class LayerCost:
 
 
 def layer_cost(ops: ModuleOps, fmt: Format, target: GpuSpec, activation_bytes: int,
-               floor_s: float = KERNEL_FLOOR_S) -> LayerCost:
+               floor_s: float | None = None) -> LayerCost:
     """Cost of what a module computed itself; ``activation_bytes`` is the element size its non-GEMM ops use.
 
     Each kernel is priced on its own (capture/ops.py keeps every non-GEMM op's element count), so a module of
     many tiny ops costs its kernel count x the floor, not its bytes over the bandwidth."""
+    floor_s = floor() if floor_s is None else floor_s
     gt = sum(gemm_step_time(g, fmt, target, floor_s) * c for g, c in ops.gemms.values())
     ot = sum(other_step_time(e, activation_bytes, target, floor_s) * c for e, c in ops.other_sizes.items())
     return LayerCost(ops.gemm_flops, gt, ops.other_elements * activation_bytes, ot, step_kernels(ops), floor_s)

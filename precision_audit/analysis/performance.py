@@ -14,8 +14,9 @@ from ..formats import AUTOCAST_FORMATS, Format
 from ..gpus import GpuSpec
 from ..record import FormatMemory, Memory
 from .alignment import REQUIRED_MULTIPLE, batch_set_dims, check_dims, padded, vocabulary_advice
-from .cost import (ASSUMPTIONS, ELEMENT_BYTES, KERNEL_FLOOR_S, STEP_OVER_FORWARD, alignment_time_lost,
-                   gemm_time, layer_cost, step_kernels)
+from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time, layer_cost,
+                   step_kernels)
+from .cost import floor as kernel_floor
 
 # Formats the cost model estimates when the target supports them (TF32 needs no numerics run to be timed).
 ESTIMATED_FORMATS = AUTOCAST_FORMATS
@@ -171,7 +172,7 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
     base = totals.get("fp32") or 0.0
     speedup = {k: (base / v if v > 0 else None) for k, v in totals.items()}
     memory = _memory(capture, param_bytes, trainable_params)
-    floor = kernels * KERNEL_FLOOR_S
+    floor = kernels * kernel_floor()
     assumptions: tuple[str, ...] = ASSUMPTIONS
     if totals and kernels:  # the floor's share says how launch-bound the estimate is (docs/report.md)
         fastest = min(totals.values())
