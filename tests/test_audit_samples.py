@@ -62,10 +62,12 @@ def test_v100_target_keeps_the_overflowing_block_out_of_fp16(sample_audits):
     a = json.loads((out / "audit.json").read_text())
     policy = json.loads((out / "policy.json").read_text())
     assert a["formats"] == ["fp16"] and a["formats_skipped"][0]["format"] == "bf16"
-    assert policy["default_format"] == "fp16"
-    assert policy["modules"]["hot"]["format"] == "fp32"
-    assert "65504" in policy["modules"]["hot"]["reason"] or "6.55e+04" in policy["modules"]["hot"]["reason"]
-    assert policy["loss_scaling"]["enabled"] is True
+    # the mixed plan (fp16, 'hot' in fp32) is weighed, but this 4k-parameter model is launch-bound: every kernel
+    # is at the cost model's per-kernel floor, so it is estimated no faster than fp32, which is returned
+    # (docs/report.md, "The cost model's floor"); 'hot' stays out of fp16 either way
+    mixed = next(c for c in a["plan"]["candidates"] if c["label"] == "mixed")
+    assert mixed["default_format"] == "fp16" and mixed["overrides"] == 1 and "no faster" in mixed["note"]
+    assert policy["default_format"] == "fp32" and a["plan"]["chosen"] == "uniform fp32"
     assert result.exit_code == 1, "fp16 alone is unsafe as is, and it is the only candidate on a V100"
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from precision_audit.analysis import cost
 from precision_audit.analysis.findings import Budget, _summary
 from precision_audit.audit import AuditOptions, compute_audit
 from precision_audit.capture.noise import NoiseFloor, OrderRun
@@ -357,7 +358,14 @@ def test_modules_the_loss_ignores_are_labelled_and_left_at_the_default(tmp_path)
 # --- item 7: overflow in any module refuses that format for it ------------------------------------------------
 
 
-def test_an_elementwise_module_that_overflows_fp16_is_refused_fp16(tmp_path):
+@pytest.fixture
+def no_kernel_floor(monkeypatch):
+    """These toy models are launch-bound: at the cost model's per-kernel floor every plan ties and uniform fp32 is
+    returned (tests/test_cost_floor.py). The tests below are about the refusal logic, so the floor is off."""
+    monkeypatch.setattr(cost, "KERNEL_FLOOR_S", 0.0)
+
+
+def test_an_elementwise_module_that_overflows_fp16_is_refused_fp16(tmp_path, no_kernel_floor):
     c = _audit(_write(tmp_path, "scale", ELEMENTWISE_OVERFLOW), formats=(Format.FP16,))
     a = c.audit
     scale = next(L for L in a["layers"] if L["name"] == "scale")
@@ -370,7 +378,7 @@ def test_an_elementwise_module_that_overflows_fp16_is_refused_fp16(tmp_path):
     assert not _candidate(a, "uniform fp16")["within_budget"]
 
 
-def test_a_container_whose_own_op_overflows_fp16_runs_in_fp32_as_a_whole(tmp_path):
+def test_a_container_whose_own_op_overflows_fp16_runs_in_fp32_as_a_whole(tmp_path, no_kernel_floor):
     c = _audit(_write(tmp_path, "pair", CONTAINER_OVERFLOW), formats=(Format.FP16,))
     a = c.audit
     layers = {L["name"]: L for L in a["layers"]}

@@ -1,9 +1,13 @@
-"""A roofline cost model of the target GPU, from the shapes that ran. Every figure it gives is an estimate.
+"""A roofline cost model of the target GPU, from the ops that ran, with a per-kernel floor. Every figure it gives
+is an estimate.
 
-time(GEMM) = max(FLOPs / (peak x tile-and-wave efficiency), bytes / bandwidth), x ALIGNMENT_PENALTY when a
-dimension breaks the format's vector-width rule, and never less than the same GEMM padded; time(other op) =
-bytes / bandwidth. A training step is taken as forward + backward = 3 x forward (the backward of a GEMM is two
-GEMMs of the same size; elementwise backward moves about twice the forward's bytes).
+roofline(GEMM) = max(FLOPs / (peak x tile-and-wave efficiency), bytes / bandwidth), x ALIGNMENT_PENALTY when a
+dimension breaks the format's vector-width rule, and never less than the same GEMM padded; roofline(other op) =
+bytes / bandwidth. A training step is forward + backward: the backward of a GEMM is two GEMMs of the same size
+(grad input, grad weight), the backward of any other op one kernel moving twice the forward's bytes, so
+without the floor a step is 3 x the forward's roofline. Every kernel takes max(roofline, KERNEL_FLOOR_S): a
+small kernel costs its launch however little it does (docs/report.md, "The cost model's floor"), so a step is
+never estimated below (kernels run) x KERNEL_FLOOR_S.
 """
 
 from __future__ import annotations
@@ -21,7 +25,16 @@ from .alignment import TILE, is_aligned, padded
 # 2026-02-13, via a secondary summary) is the worst case we know of. 2x is our heuristic, and it is labelled as
 # such in the outputs.
 ALIGNMENT_PENALTY = 2.0
-STEP_OVER_FORWARD = 3.0
+STEP_OVER_FORWARD = 3.0  # without the floor: forward + backward = 3 x forward (GEMMs and bytes alike)
+#: A heuristic, labelled as one in the outputs: the least time one CUDA kernel takes in an eager training step,
+#: however little it does. Launching a kernel costs the host about 4-6 µs and back-to-back kernels run about
+#: 1 µs apart on the GPU (docs/report.md, "The cost model's floor", with sources); 4 µs is a launch-bound eager
+#: step's pace. The one constant for every estimate here and in fp8/cost.py.
+KERNEL_FLOOR_S = 4e-6
+#: Kernels the backward runs per forward kernel (heuristic): a GEMM's grad input and grad weight; one kernel
+#: for any other op (its bias, norm-parameter and reduction gradients are not counted: the floor stays a floor).
+BACKWARD_GEMM_KERNELS = 2
+BACKWARD_OTHER_KERNELS = 1
 
 ELEMENT_BYTES = {Format.FP32: 4, Format.TF32: 4, Format.BF16: 2, Format.FP16: 2,
                  Format.FP8_E4M3: 1, Format.FP8_E5M2: 1}
@@ -31,9 +44,13 @@ ASSUMPTIONS = (
     f"output tiles of {TILE}x{TILE} (or 64 for dimensions under {TILE}), one tile per SM per wave",
     f"a dimension off the format's vector-width rule costs {ALIGNMENT_PENALTY:g}x (heuristic), "
     "never less than padding it",
-    f"step = forward + backward = {STEP_OVER_FORWARD:g} x forward",
+    f"step = forward + backward: {BACKWARD_GEMM_KERNELS} GEMMs of the same size per forward GEMM, "
+    f"{BACKWARD_OTHER_KERNELS} kernel moving twice the bytes per other forward op",
     "FP32 GEMMs at the non-Tensor-Core FP32 peak (torch's default: TF32 off for matmuls)",
-    "no kernel-launch latency and no overlap between ops",
+    f"every kernel (those counted: one per compute op the forward ran, and the backward's as above) takes at least "
+    f"{KERNEL_FLOOR_S * 1e6:g} µs (heuristic: launch-bound eager execution; CUDA graphs or torch.compile cut it), "
+    "so a small model's step is bound by its kernel count; copies and autocast's casts are not counted",
+    "no overlap between ops",
 )
 
 
@@ -76,23 +93,65 @@ def bytes_time(nbytes: float, target: GpuSpec) -> float:
     return nbytes / (target.bandwidth_gbps * 1e9)
 
 
+def floor() -> float:
+    """The per-kernel floor in force: KERNEL_FLOOR_S, read when called (a test of plan logic on a toy model
+    may set it to 0, where every plan would otherwise tie at the floor)."""
+    return KERNEL_FLOOR_S
+
+
+def kernel_time(roofline_s: float, floor_s: float | None = None) -> float:
+    """One kernel's estimated time: its roofline, never below the per-kernel floor."""
+    return max(roofline_s, floor() if floor_s is None else floor_s)
+
+
+def gemm_step_time(g: GemmOp, fmt: Format, target: GpuSpec, floor_s: float | None = None) -> float:
+    """Forward + backward of one call of ``g``: 1 + BACKWARD_GEMM_KERNELS GEMMs of its size, each floored."""
+    return (1 + BACKWARD_GEMM_KERNELS) * kernel_time(gemm_time(g, fmt, target), floor_s)
+
+
+def other_step_time(elements: int, element_bytes: int, target: GpuSpec, floor_s: float | None = None) -> float:
+    """Forward + backward of one non-GEMM op that read and wrote ``elements``: the forward kernel moves their
+    bytes, the backward's kernel(s) twice as many; each kernel floored."""
+    fwd = bytes_time(elements * element_bytes, target)
+    bwd = (STEP_OVER_FORWARD - 1) * fwd / BACKWARD_OTHER_KERNELS
+    return kernel_time(fwd, floor_s) + BACKWARD_OTHER_KERNELS * kernel_time(bwd, floor_s)
+
+
+def step_kernels(ops: ModuleOps) -> int:
+    """Kernels a module's own ops run in one training step (forward as executed, backward estimated)."""
+    gemm_calls = sum(c for _, c in ops.gemms.values())
+    return gemm_calls * (1 + BACKWARD_GEMM_KERNELS) + ops.other_ops * (1 + BACKWARD_OTHER_KERNELS)
+
+
 @dataclass(frozen=True)
 class LayerCost:
     flops: int  # forward FLOPs of its own GEMMs
-    gemm_time_s: float  # forward
-    other_bytes: int
-    other_time_s: float  # forward
+    gemm_step_s: float  # forward + backward, each kernel floored
+    other_bytes: int  # forward
+    other_step_s: float  # forward + backward, each kernel floored
+    kernels: int  # per step (step_kernels)
+    floor_s: float  # the per-kernel floor it was estimated with
 
     @property
     def step_time_s(self) -> float:
-        return STEP_OVER_FORWARD * (self.gemm_time_s + self.other_time_s)
+        return self.gemm_step_s + self.other_step_s
+
+    @property
+    def floor_total_s(self) -> float:
+        """The least its step can be estimated at: its kernels x the floor."""
+        return self.kernels * self.floor_s
 
 
-def layer_cost(ops: ModuleOps, fmt: Format, target: GpuSpec, activation_bytes: int) -> LayerCost:
-    """Cost of what a module computed itself; ``activation_bytes`` is the element size its non-GEMM ops use."""
-    gt = sum(gemm_time(g, fmt, target) * c for g, c in ops.gemms.values())
-    ob = ops.other_elements * activation_bytes
-    return LayerCost(ops.gemm_flops, gt, ob, bytes_time(ob, target))
+def layer_cost(ops: ModuleOps, fmt: Format, target: GpuSpec, activation_bytes: int,
+               floor_s: float | None = None) -> LayerCost:
+    """Cost of what a module computed itself; ``activation_bytes`` is the element size its non-GEMM ops use.
+
+    Each kernel is priced on its own (capture/ops.py keeps every non-GEMM op's element count), so a module of
+    many tiny ops costs its kernel count x the floor, not its bytes over the bandwidth."""
+    floor_s = floor() if floor_s is None else floor_s
+    gt = sum(gemm_step_time(g, fmt, target, floor_s) * c for g, c in ops.gemms.values())
+    ot = sum(other_step_time(e, activation_bytes, target, floor_s) * c for e, c in ops.other_sizes.items())
+    return LayerCost(ops.gemm_flops, gt, ops.other_elements * activation_bytes, ot, step_kernels(ops), floor_s)
 
 
 def alignment_time_lost(g: GemmOp, fmt: Format, target: GpuSpec, batch_dims: frozenset[str]) -> tuple[float, float]:

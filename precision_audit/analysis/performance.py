@@ -14,8 +14,9 @@ from ..formats import AUTOCAST_FORMATS, Format
 from ..gpus import GpuSpec
 from ..record import FormatMemory, Memory
 from .alignment import REQUIRED_MULTIPLE, batch_set_dims, check_dims, padded, vocabulary_advice
-from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time,
-                   layer_cost)
+from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time, layer_cost,
+                   step_kernels)
+from .cost import floor as kernel_floor
 
 # Formats the cost model estimates when the target supports them (TF32 needs no numerics run to be timed).
 ESTIMATED_FORMATS = AUTOCAST_FORMATS
@@ -55,6 +56,10 @@ class Performance:
     memory: Memory
     assumptions: tuple[str, ...] = ASSUMPTIONS
     notes: list[str] = field(default_factory=list)
+    #: kernels one training step runs (the ops executed, backward estimated; analysis/cost.py step_kernels)
+    kernels: int = 0
+    #: kernels x the per-kernel floor: no format's estimated step is below it (analysis/cost.py)
+    floor_s: float = 0.0
 
 
 def _element_bytes(rec: LayerRecord, fmt: Format) -> int:
@@ -92,6 +97,8 @@ def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...
         if not dims_out:
             continue
         time_s, padded_s, lost_model, lost_batch = {}, {}, {}, {}
+        # the roofline's GEMM time without the per-kernel floor: what padding saves in GPU work; a kernel at the
+        # floor saves nothing until its launches are amortised (docs/report.md, "Alignment")
         for fmt in low:
             time_s[fmt.value] = gemm_time(g, fmt, target) * calls * STEP_OVER_FORWARD
             padded_s[fmt.value] = gemm_time(padded(g, fmt), fmt, target) * calls * STEP_OVER_FORWARD
@@ -144,18 +151,20 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
     est_formats = tuple(f for f in ESTIMATED_FORMATS if target.supports(f.value))
     layers: dict[str, LayerPerformance] = {}
     totals = {f.value: 0.0 for f in est_formats}
+    kernels = 0
     for rec in capture.layers:
         tied_to = (tied or {}).get(rec.name)
         alignment = _gemm_findings(rec, target, capture.formats + ((Format.TF32,) if target.supports("tf32") else ()),
                                    tied_to)
         alignment += _embedding_findings(rec, module_shapes, target, tied_to)
         cost = None
-        if rec.ops.gemms or rec.ops.other_elements:
+        if rec.ops.gemms or rec.ops.other_ops:  # every op runs a kernel, even one with no float elements
             per_fmt = {}
             for f in est_formats:
                 lc = layer_cost(rec.ops, f, target, _element_bytes(rec, f))
                 per_fmt[f.value] = lc.step_time_s
                 totals[f.value] += lc.step_time_s
+            kernels += step_kernels(rec.ops)
             cost = LayerCostEstimate(flops=rec.ops.gemm_flops, gemm_ops=sum(c for _, c in rec.ops.gemms.values()),
                                      other_ops=rec.ops.other_ops, other_elements=rec.ops.other_elements,
                                      estimated_step_time_s=per_fmt)
@@ -163,8 +172,14 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
     base = totals.get("fp32") or 0.0
     speedup = {k: (base / v if v > 0 else None) for k, v in totals.items()}
     memory = _memory(capture, param_bytes, trainable_params)
+    floor = kernels * kernel_floor()
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+    if totals and kernels:  # the floor's share says how launch-bound the estimate is (docs/report.md)
+        fastest = min(totals.values())
+        assumptions += (f"this model: {kernels:,} kernels per step, so no step is estimated below "
+                        f"{floor * 1e6:.4g} µs ({floor / fastest:.0%} of the fastest format's estimate)",)
     return Performance(layers=layers, step_time_s=totals, speedup_vs_fp32=speedup, formats=est_formats,
-                       memory=memory)
+                       memory=memory, assumptions=assumptions, kernels=kernels, floor_s=floor)
 
 
 PEAK_BASIS = ("peak GPU allocation of one clean (uninstrumented) forward+backward step above what was allocated "

@@ -154,6 +154,9 @@ class ModuleOps:
     gemms: dict[tuple, tuple[GemmOp, int]] = field(default_factory=dict)  # key -> (op, count)
     other_elements: int = 0  # elements read + written by its non-GEMM compute ops
     other_ops: int = 0
+    #: elements read + written per non-GEMM op -> how many ops moved that many: the cost model prices each op
+    #: (each kernel) on its own, with its floor (analysis/cost.py)
+    other_sizes: dict[int, int] = field(default_factory=dict)
 
     def add_gemm(self, g: GemmOp) -> None:
         key = g.key()
@@ -184,5 +187,7 @@ def record_op(ops: ModuleOps, func: Any, args: tuple, kwargs: dict, out: Any) ->
             return
         except Exception:  # an unusual overload or layout: count its bytes rather than guess its GEMM
             pass
+    n = _elements(args) + _elements(out)
     ops.other_ops += 1
-    ops.other_elements += _elements(args) + _elements(out)
+    ops.other_elements += n
+    ops.other_sizes[n] = ops.other_sizes.get(n, 0) + 1

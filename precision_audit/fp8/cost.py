@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..analysis.cost import gemm_efficiency
+from ..analysis.cost import KERNEL_FLOOR_S, gemm_efficiency
 from ..capture.ops import GemmOp
 from ..gpus import GpuSpec
 from .recipes import RECIPES
@@ -33,7 +33,8 @@ EXTRA_KERNELS = {"fp8_tensorwise": 9, "fp8_rowwise": 12, "fp8_rowwise_gw_hp": 8,
                  "nvfp4": 6}
 #: A heuristic, labelled as one in the outputs: the few microseconds a small CUDA kernel takes however little it
 #: does (launch and tail). It is what makes a small GEMM not worth converting: its casts cost more than it saves.
-KERNEL_LAUNCH_S = 4e-6
+#: The cost model's one per-kernel floor (analysis/cost.py; docs/report.md, "The cost model's floor").
+KERNEL_LAUNCH_S = KERNEL_FLOOR_S
 ASSUMPTIONS = (
     "three GEMMs per step (output, grad_input, grad_weight), each at the recipe's dense peak x tile-and-wave "
     "efficiency, or at memory bandwidth if slower",

@@ -179,6 +179,7 @@ def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
         lines.append(f"  {skipped.format:<7} {skipped.reason}")
     if not has_est and ref.step_time.estimated_note:
         lines.append(f"  step time on {target}: {ref.step_time.estimated_note}")
+    lines += _estimate_caveat(r, target) if has_est else []
     lines += _loss_scale_lines(r.loss_scale)
     lines += alignment_lines(r.alignment)
     lines.append(f"  plan: {r.verdict.message}")
@@ -186,6 +187,16 @@ def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
     if r.mode == "emulated":
         lines.append("  numerics emulated on the CPU (no GPU); see the report's warnings")
     return "\n".join(lines)
+
+
+def _estimate_caveat(r: AuditRecord, target: str) -> list[str]:
+    """The caveat the report gives beside the estimated step times, and the model's kernel floor from
+    ``estimates.assumptions`` (analysis/performance.py; docs/report.md, "The cost model's floor")."""
+    out = [f"  est. step, speedup: estimates for {target} from the cost model, not measurements "
+           "(assumptions in report.html and audit.json's estimates.assumptions)"]
+    assumptions = r.estimates.assumptions if r.estimates is not None else []
+    out += [f"    {a}" for a in assumptions if isinstance(a, str) and a.startswith("this model: ")]
+    return out
 
 
 def _loss_scale_lines(ls: LossScale | None) -> list[str]:
