@@ -32,8 +32,7 @@ from markupsafe import Markup, escape
 from ..formats import RANGE_FORMATS, SPECS, Format
 from ..record import AuditRecord  # noqa: F401  (the type render_html takes)
 from . import charts
-from .numbers import (_label, fmt_bytes, fmt_db, fmt_num, fmt_pct, fmt_scale, fmt_seconds,  # noqa: F401
-                      fmt_value, severity)
+from .numbers import _label, fmt_bytes, fmt_db, fmt_num, fmt_pct, fmt_scale, fmt_seconds, fmt_value, severity  # noqa: F401
 
 TEMPLATE = "report.html.j2"
 
@@ -548,7 +547,7 @@ def _env() -> jinja2.Environment:
     return env
 
 
-def render_html(audit: "AuditRecord | Mapping[str, Any]", policy: Mapping[str, Any] | None,
+def render_html(audit: AuditRecord | Mapping[str, Any], policy: Mapping[str, Any] | None,
                 generated: _dt.datetime | None = None) -> str:
     """The report page of the audit's record (or of audit.json's content, already validated). ``policy`` None
     shows "not available"; ``generated`` defaults to now (UTC).
@@ -561,7 +560,7 @@ def render_html(audit: "AuditRecord | Mapping[str, Any]", policy: Mapping[str, A
     """
     from .audit_json import as_document
 
-    audit = as_document(audit)
+    doc: Mapping[str, Any] = as_document(audit)
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
-    view = build_view(audit, policy)
-    return _env().get_template(TEMPLATE).render(a=audit, v=view, policy=policy, generated=when)
+    view = build_view(doc, policy)
+    return _env().get_template(TEMPLATE).render(a=doc, v=view, policy=policy, generated=when)
