@@ -287,6 +287,9 @@ def _write_outputs(out: Path, given: Path, record: AuditRecord, policy: Policy, 
         stage.write("report.html", html)
         for name, data in traces.items():
             stage.write(f"tb/{name}", data)
+        # an --out holds one audit's files: an earlier audit's profiler traces (tb/<format>/, named by
+        # capture/timing.py's trace handler) go when these are committed, also for formats this run lacks
+        stage.replace_old("tb", TRACE_PATTERN)
         events = write_scalars(record, stage.folder("tb/audit"))
         stage.replace_old("tb/audit", f"events.out.tfevents.*{EVENT_SUFFIX}")
         written = stage.commit()
@@ -307,6 +310,9 @@ def _out_path(out: Any) -> Path:
 
 #: Folders the audit writes inside --out; a file of the same name is refused before the model runs.
 _OUT_FOLDERS = ("tb", "tb/audit")
+#: The profiler traces an audit writes under tb/<format>/ (torch's tensorboard_trace_handler with the worker
+#: name "precision-audit-<format>", capture/timing.py); what a new audit replaces (docs/report.md, TensorBoard).
+TRACE_PATTERN = "*/precision-audit-*.pt.trace.json"
 
 
 def _absolute(p: Path) -> Path:

@@ -24,7 +24,7 @@ import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -320,7 +320,7 @@ def _write_error(out: Path, e: OSError) -> OutputError:
                        hint="check the folder's permissions and free space, or pass another --out")
 
 
-def write_files(out: Path, files: dict[str, str | bytes]) -> list[Path]:
+def write_files(out: Path, files: Mapping[str, str | bytes]) -> list[Path]:
     """Write ``{relative name: content}`` into ``out``: every file staged first, then all moved into place."""
     with Staging(out) as stage:
         for name, content in files.items():

@@ -32,8 +32,7 @@ from markupsafe import Markup, escape
 from ..formats import RANGE_FORMATS, SPECS, Format
 from ..record import AuditRecord  # noqa: F401  (the type render_html takes)
 from . import charts
-from .numbers import (_label, fmt_bytes, fmt_db, fmt_num, fmt_pct, fmt_scale, fmt_seconds,  # noqa: F401
-                      fmt_value, severity)
+from .numbers import _label, fmt_bytes, fmt_db, fmt_num, fmt_pct, fmt_scale, fmt_seconds, fmt_value, severity  # noqa: F401
 
 TEMPLATE = "report.html.j2"
 
@@ -213,6 +212,7 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
 
     view: dict[str, Any] = {"sections": SECTIONS, "formats": formats}
     view["headline"] = _headline(audit, formats, summary, plan, target, ls)
+    view["predicted_rel"] = relative_to_fp32(plan.get("predicted_loss_change"), summary)
     view["warnings"] = _warnings(audit, formats, summary, layers)
 
     # Per-format step times: estimated on the target (the headline) and measured where the audit ran.
@@ -323,6 +323,16 @@ def speedup(audit: Mapping[str, Any], f: str) -> float | None:
     return ratio if math.isfinite(ratio) else None  # 1e308 / 5e-324 overflows: no speedup to show
 
 
+def relative_to_fp32(change: Any, summary: Mapping[str, Any]) -> float | None:
+    """An absolute loss change (the loss's own units) as a change relative to the FP32 loss, the basis of every
+    other loss change the report shows; None when the FP32 loss is 0, absent or the quotient overflows."""
+    ref = (summary.get("fp32") or {}).get("loss") if isinstance(summary, Mapping) else None
+    if not isinstance(change, (int, float)) or not isinstance(ref, (int, float)) or not ref:
+        return None
+    rel = abs(change) / abs(ref)
+    return rel if math.isfinite(rel) else None
+
+
 def _override_groups(plan: Mapping[str, Any]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for name, o in (plan.get("overrides") or {}).items():
@@ -372,9 +382,13 @@ def _headline(audit, formats, summary, plan, target, ls) -> dict[str, Any]:
         parts.append(f"predicted {fmt_num(plan['predicted_loss_rel_change'])} (first-order, calibrated against the "
                      "all-format passes)")
     elif isinstance(plan.get("predicted_loss_change"), (int, float)):
-        budget = plan.get("loss_budget")
-        parts.append(f"predicted {fmt_num(plan['predicted_loss_change'])} for the plan (absolute, first-order"
-                     + (f"; budget {fmt_num(budget)}" if isinstance(budget, (int, float)) else "") + ")")
+        # like with like: the measured figures beside it are relative to the FP32 loss, so this one is too
+        rel = relative_to_fp32(plan["predicted_loss_change"], summary)
+        if rel is not None:
+            parts.append(f"predicted {fmt_num(rel)} relative to FP32 for the plan (first-order, uncalibrated)")
+        else:
+            parts.append(f"predicted {fmt_num(plan['predicted_loss_change'])} for the plan in the loss's own units "
+                         "(first-order; not comparable with a relative change: the FP32 loss is 0 or not finite)")
     s = summary.get(d) or {}
     if d != "fp32" and "loss_rel_change" in s and not ver:
         parts.append(f"measured {fmt_num(s.get('loss_rel_change'))} relative to FP32 in the all-{d} pass"
@@ -533,7 +547,7 @@ def _env() -> jinja2.Environment:
     return env
 
 
-def render_html(audit: "AuditRecord | Mapping[str, Any]", policy: Mapping[str, Any] | None,
+def render_html(audit: AuditRecord | Mapping[str, Any], policy: Mapping[str, Any] | None,
                 generated: _dt.datetime | None = None) -> str:
     """The report page of the audit's record (or of audit.json's content, already validated). ``policy`` None
     shows "not available"; ``generated`` defaults to now (UTC).
@@ -546,7 +560,7 @@ def render_html(audit: "AuditRecord | Mapping[str, Any]", policy: Mapping[str, A
     """
     from .audit_json import as_document
 
-    audit = as_document(audit)
+    doc: Mapping[str, Any] = as_document(audit)
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
-    view = build_view(audit, policy)
-    return _env().get_template(TEMPLATE).render(a=audit, v=view, policy=policy, generated=when)
+    view = build_view(doc, policy)
+    return _env().get_template(TEMPLATE).render(a=doc, v=view, policy=policy, generated=when)

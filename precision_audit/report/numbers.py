@@ -1,6 +1,6 @@
 """Numbers for people: how the report, the terminal summary and the notebook view write a figure.
 
-The only place figures are formatted (docs/architecture.md: formatting for people lives in report/). ``None`` is how
+The only place figures are formatted (docs/report.md: the report computes nothing, it formats). ``None`` is how
 audit.json writes a non-finite value, so it reads as ``inf/NaN`` where a figure was expected.
 """
 

@@ -173,8 +173,11 @@ def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
     for f in r.formats:
         s = summary.formats[f]
         out = s.output.rel_l2 if s.output else None
-        lines.append(f"  {f:<7} {fmt_num(s.loss, 6):>12} {fmt_num(s.loss_rel_change):>12} {fmt_num(out):>11} "
-                     f"{s.nonfinite.outputs:>10}{est(f, s.step_time)}  {s.verdict}")
+        # a pass that raised has no figures (n/a, its verdict says why), not non-finite ones (inf/NaN)
+        na = s.pass_error is not None
+        loss, change = ("n/a", "n/a") if na else (fmt_num(s.loss, 6), fmt_num(s.loss_rel_change))
+        err, bad = ("n/a", "n/a") if na else (fmt_num(out), str(s.nonfinite.outputs))
+        lines.append(f"  {f:<7} {loss:>12} {change:>12} {err:>11} {bad:>10}{est(f, s.step_time)}  {s.verdict}")
     for skipped in r.formats_skipped:
         lines.append(f"  {skipped.format:<7} {skipped.reason}")
     if not has_est and ref.step_time.estimated_note:
