@@ -44,7 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",") if d.strip()]
     if depths:
-        print(f"{'depth':>5} {'method':<12} {'passes':>7} {'bf16 FLOP share':>16} {'loss change':>12}  held back in fp32")
+        print(f"{'depth':>5} {'method':<12} {'passes':>7} {'bf16 FLOP share':>16} {'loss change':>12}  "
+              "held back in fp32")
     for depth in depths:
         os.environ["PA_DEPTH"] = str(depth)
         run_depth(depth, args.budget)
