@@ -175,7 +175,7 @@ def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> No
             dtype = torch.get_autocast_dtype("cpu")
             with torch.autocast("cpu", enabled=False):
                 return _inner(x.to(dtype).float()).to(dtype)
-        m.forward = forward  # type: ignore[method-assign]
+        m.forward = forward
 
 
 def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str) -> bool:
