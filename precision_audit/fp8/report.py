@@ -36,9 +36,10 @@ def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     try:
         recipes = [r for r in f.get("recipes", {}) if isinstance(r, str)]
-        plan = f.get("plan") if isinstance(f.get("plan"), Mapping) else {}
+        p, a = f.get("plan"), f.get("torchao_auto_filter")
+        plan: Mapping[str, Any] = p if isinstance(p, Mapping) else {}
         pmods = plan.get("modules", {}) if isinstance(plan.get("modules"), Mapping) else {}
-        auto = f.get("torchao_auto_filter") if isinstance(f.get("torchao_auto_filter"), Mapping) else {}
+        auto: Mapping[str, Any] = a if isinstance(a, Mapping) else {}
         rows = []
         for L in f.get("layers", []):
             name = str(L.get("name"))
