@@ -79,3 +79,20 @@ def test_a_model_without_functional_gemms_has_none():
     x = torch.randn(8, 16)
     r = measure_fp8(model, lambda m: m(x), lambda o: o.square().mean(), ("fp8_tensorwise",), history_steps=1)
     assert r.other_gemms == [] and result_dict(r, 0.05)["other_gemms"] == []
+
+
+def test_report_lists_them_in_the_fp8_section():
+    from precision_audit.fp8.report import fp8_view
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 16, 32)
+    r = measure_fp8(model, lambda m: m(x), lambda o: o.square().mean(), ("fp8_tensorwise", "mxfp8"),
+                    history_steps=1)
+    section = result_dict(r, 0.05)
+    section["plan"] = {"modules": {}, "fp8_flop_share": 0.0, "tokens_per_step": {"attn.qkv": 4096, "head": 4096}}
+    v = fp8_view({"fp8": section})
+    assert v is not None and v["tokens_per_step"] == "4096"
+    assert [row["name"] for row in v["other"]] == ["attn bmm #0", "attn matmul #0"]
+    assert v["other"][0]["shape"] == "2x16x32 @ 2x32x16"
+    assert set(v["other"][0]["cells"]) == {"fp8_tensorwise", "mxfp8"}
+    assert v["other"][0]["reason"] == NOT_PLANNED
