@@ -80,7 +80,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
 
     policy_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy.default_format)
     arms = [("fp32", None), ("policy", policy_dtype)]
-    if check_fp8_arm(model, policy, mode):
+    if check_fp8_arm(model, policy, mode, device):
         arms.append(("policy_fp8", policy_dtype))
     arms += [("bf16", torch.bfloat16), ("fp16", torch.float16)]
     curves: dict[str, list[float | None]] = {}
@@ -103,7 +103,8 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                 # The FP32 arm is strict IEEE fp32 on CUDA, as the audit's reference: TF32 off for cuBLAS *and*
                 # cuDNN; the user's exact settings come back after (precision_audit/tf32_switches.py).
                 with (tf32_switches(matmul=False, cudnn=False) if arm == "fp32" and mode == "cuda"
-                      else contextlib.nullcontext()), _armed(arm, policy, m, opt, device_type, mode) as step:
+                      else contextlib.nullcontext()), _armed(arm, policy, m, opt, device_type, mode,
+                                                                     device) as step:
                     for _ in range(opts.steps):
                         with autocast(dtype):
                             loss = loss_of(forward(m))
@@ -153,10 +154,14 @@ def policy_failure(errors: dict[str, str], curve: list[float | None], params: li
     return None
 
 
-def _fp8_emulate(mode: str) -> bool | None:
-    """torchao's ``emulate`` for the FP8 arm: on a GPU, the runtime's own choice (real ``torch._scaled_mm`` on
-    compute capability 8.9 or later); in emulated mode, emulated (FP32 GEMMs of the dequantised operands)."""
-    return None if mode == "cuda" else True
+def _fp8_emulate(mode: str, device: str) -> bool:
+    """torchao's ``emulate`` for the FP8 arm: on a GPU of compute capability 8.9 or later the real
+    ``torch._scaled_mm`` kernels (as the runtime chooses, runtime/fp8.py); elsewhere, and in emulated mode,
+    emulated (FP32 GEMMs of the dequantised operands). Decided from the device the arms train on, so the check
+    before training (which runs on a CPU copy) applies the same rules, e.g. dimensions that are multiples of 16."""
+    if mode != "cuda":
+        return True
+    return torch.cuda.get_device_capability(torch.device(device)) < (8, 9)
 
 
 def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> None:
@@ -178,7 +183,7 @@ def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> No
         m.forward = forward
 
 
-def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str) -> bool:
+def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str, device: str = "cpu") -> bool:
     """Whether the policy has FP8 modules (then verify trains a ``policy_fp8`` arm). Checked before any training
     on a copy of the model: a plan the runtime cannot apply (torchao missing, a recipe it has no training path
     for, a module that is not an ``nn.Linear``) raises :class:`~precision_audit.errors.PolicyError` (exit 2)."""
@@ -188,13 +193,14 @@ def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str) -> bool:
     plan = Fp8Plan.from_policy(policy)
     if not plan.modules:
         return False
-    apply_fp8(copy.deepcopy(model), plan, emulate=_fp8_emulate(mode))
+    apply_fp8(copy.deepcopy(model), plan, emulate=_fp8_emulate(mode, device))
     return True
 
 
 @contextlib.contextmanager
 def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Optimizer,
-           device_type: str, mode: str = "emulated") -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
+           device_type: str, mode: str = "emulated",
+           device: str = "cpu") -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
     """A step function for one arm: (loss) -> (loss value, skipped)."""
     if arm in ("policy", "policy_fp8"):
         from .runtime.api import apply_policy
@@ -207,7 +213,7 @@ def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Op
             # after apply_policy and the controller: their fingerprint checks need the model the policy was made for
             from .runtime.fp8 import apply_fp8
 
-            converted = apply_fp8(model, policy, emulate=_fp8_emulate(mode))
+            converted = apply_fp8(model, policy, emulate=_fp8_emulate(mode, device))
             if mode != "cuda":
                 _fp8_under_emulated_autocast(model, converted)
 

@@ -126,3 +126,19 @@ def test_verify_command_adds_the_fp8_arm_and_refuses_what_torchao_cannot_train(t
                                      "-q"]) == 2
     assert "MXFP8" in capsys.readouterr().err
     assert (out / "audit.json").read_text() == before  # nothing half-written
+
+
+def test_on_an_fp8_gpu_the_check_applies_the_real_kernels_rules(monkeypatch):
+    """In cuda mode on compute capability 9.0 the arm runs torchao's real kernels, which need dimensions that are
+    multiples of 16: the check before training says so (exit 2) rather than the arm failing mid-run. No GPU is
+    needed to check the decision: the capability is what torch would report on an H100."""
+    from precision_audit.verify import check_fp8_arm
+
+    model = nn.Sequential(nn.Linear(24, 16))
+    pol = _policy(model, {"0": "fp8_tensorwise"})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(PolicyError, match="multiples of 16"):
+        check_fp8_arm(model, pol, "cuda", "cuda:0")
+    assert check_fp8_arm(model, pol, "emulated", "cpu")  # emulated: torchao has no such rule
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert check_fp8_arm(model, pol, "cuda", "cuda:0")  # an A100 emulates too
