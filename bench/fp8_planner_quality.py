@@ -1,6 +1,6 @@
 """FP8 planner quality: our FP8 plan against an exhaustive one-module-at-a-time search, at the same budget.
 
-    python bench/fp8_planner_quality.py [--depth 6] [--width 2048] [--tokens-per-step 65536]
+    python bench/fp8_planner_quality.py [--depth 4] [--width 2048] [--tokens-per-step 65536]
 
 Model: a residual stack of ``depth`` blocks of Linear(width, width), with issue 16's two planted layers at the
 front (outlier tokens, outlier channels; docs/fp8.md). Costs on an H100 at ``--tokens-per-step`` rows.
@@ -12,7 +12,7 @@ Baseline: for every module and every recipe that pays on the target, run the mod
 that recipe (modules x recipes passes); per module keep the fastest recipe whose single run meets the budget;
 take modules in order of their measured loss change while the summed change stays within the budget, verify,
 and drop the last ones until the verified run meets the budget. Goal (issue 16): ours reaches >= 95% of the
-baseline's FP8 share of GEMM FLOPs.
+baseline's FP8 share of GEMM FLOPs. ``python bench/planner_quality.py --fp8`` runs it after the BF16 runs.
 """
 
 from __future__ import annotations
@@ -61,14 +61,27 @@ class Stack(nn.Module):
         return self.head(h)
 
 
+def add_arguments(ap: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The FP8 run's options (``prefix`` "fp8-" when bench/planner_quality.py runs it)."""
+    ap.add_argument(f"--{prefix}depth", type=int, default=4, dest="fp8_depth")
+    ap.add_argument(f"--{prefix}width", type=int, default=2048, dest="fp8_width")
+    ap.add_argument(f"--{prefix}tokens", type=int, default=32, dest="fp8_tokens", help="rows in the audited batch")
+    ap.add_argument("--tokens-per-step", type=int, default=65536, dest="fp8_tokens_per_step",
+                    help="rows per training step, for the FP8 cost (default 65536)")
+    ap.add_argument(f"--{prefix}budget", type=float, default=0.05, dest="fp8_budget",
+                    help="max local / output relative error and loss change of the FP8 run (default 0.05)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--depth", type=int, default=6)
-    ap.add_argument("--width", type=int, default=2048)
-    ap.add_argument("--tokens", type=int, default=32, help="rows in the audited batch")
-    ap.add_argument("--tokens-per-step", type=int, default=65536, help="rows per training step, for the cost")
-    ap.add_argument("--budget", type=float, default=0.05, help="max local / output relative error and loss change")
-    args = ap.parse_args()
+    add_arguments(ap)
+    run_fp8(ap.parse_args())
+
+
+def run_fp8(opts: argparse.Namespace) -> float:
+    """The FP8 run; prints its table and returns ours / baseline FP8 share of GEMM FLOPs."""
+    args = argparse.Namespace(depth=opts.fp8_depth, width=opts.fp8_width, tokens=opts.fp8_tokens,
+                              tokens_per_step=opts.fp8_tokens_per_step, budget=opts.fp8_budget)
     torch.manual_seed(0)
     model = Stack(args.depth, args.width)
     g = torch.Generator().manual_seed(1)
@@ -113,7 +126,7 @@ def main() -> None:
             _, rec, rel = min(options)
             single[L.name] = (rec, rel)
     chosen, acc = [], 0.0
-    for name, (rec, rel) in sorted(single.items(), key=lambda kv: kv[1][1]):
+    for name, (_rec, rel) in sorted(single.items(), key=lambda kv: kv[1][1]):
         if acc + rel <= b:
             chosen.append(name)
             acc += rel
@@ -135,6 +148,7 @@ def main() -> None:
           f"{ {n: single[n][0] for n in sorted(chosen)} }")
     ratio = ours_share / base_share if base_share else float("inf")
     print(f"ours / baseline FP8 FLOP share: {ratio:.3f} (goal >= 0.95)")
+    return ratio
 
 
 if __name__ == "__main__":

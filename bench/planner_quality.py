@@ -1,6 +1,7 @@
 """Planner quality and cost: our plan against an exhaustive one-module-at-a-time search, at the same budget.
 
-    python bench/planner_quality.py [--depths 6,24] [--budget 2e-3]
+    python bench/planner_quality.py [--depths 6,24] [--budget 2e-3] [--fp8 [--fp8-depth 4] [--fp8-width 2048]
+                                    [--tokens-per-step 65536] [--fp8-budget 0.05]]
 
 Model: bench/models/planted_mlp.py (residual MLP with 3 planted sensitive modules). For each depth it prints
 the modules each method holds back in FP32, the share of GEMM FLOPs each runs in BF16, the loss change each
@@ -11,6 +12,10 @@ does not grow with depth.
 Baseline: run the model once per module with only that module in BF16 (N passes), then take modules in
 order of their measured loss change while the sum stays within the budget, verify, and drop the last ones
 until the verified loss change holds.
+
+``--fp8`` adds the FP8 run (issue 16; bench/fp8_planner_quality.py): the FP8 plan against an exhaustive
+one-module-at-a-time search over the same torchao recipes at the same budget, on a residual stack with two
+planted outlier layers; goal: >= 95% of the baseline's FP8 share of GEMM FLOPs. ``--depths ""`` runs it alone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 MODEL = ROOT / "bench" / "models" / "planted_mlp.py"
 
 
@@ -31,11 +37,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", default="6,24")
     ap.add_argument("--budget", type=float, default=1e-3, help="max relative loss change (default 1e-3)")
+    ap.add_argument("--fp8", action="store_true", help="also run the FP8 planner comparison (issue 16)")
+    from fp8_planner_quality import add_arguments, run_fp8
+
+    add_arguments(ap, prefix="fp8-")
     args = ap.parse_args()
-    print(f"{'depth':>5} {'method':<12} {'passes':>7} {'bf16 FLOP share':>16} {'loss change':>12}  held back in fp32")
-    for depth in (int(d) for d in args.depths.split(",")):
+    depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    if depths:
+        print(f"{'depth':>5} {'method':<12} {'passes':>7} {'bf16 FLOP share':>16} {'loss change':>12}  "
+              "held back in fp32")
+    for depth in depths:
         os.environ["PA_DEPTH"] = str(depth)
         run_depth(depth, args.budget)
+    if args.fp8:
+        print("\nFP8 (issue 16):")
+        run_fp8(args)
 
 
 def run_depth(depth: int, budget: float) -> None:

@@ -384,7 +384,8 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
     record = _record(opts, setup, subject, run, capture, noise, analysis, perf, chosen, fp, n_modules)
     if fp8_requested(opts.formats):  # issue 16: FP8 recipes per linear layer (precision_audit/fp8/, docs/fp8.md)
         record.fp8, fp8_plan = fp8_stage(model, run.forward, run.loss_of, setup.target, opts.budget,
-                                         device=setup.device, seed=opts.seed, say=say)
+                                         device=setup.device, seed=opts.seed, say=say,
+                                         tokens_per_step=opts.fp8_tokens_per_step)
         policy.extra["fp8"] = fp8_plan.to_dict()
     return AuditComputation(record=record, policy=policy, exit_code=record.verdict.exit_code, analysis=analysis,
                             plan=chosen.plan, capture=capture, model=model)

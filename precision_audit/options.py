@@ -52,9 +52,19 @@ class AuditOptions:
     seed: int = 0
     budget: Budget = field(default_factory=Budget)
     kernels: str = "auto"
+    #: rows per training step each linear is priced at in the FP8 plan; None: the audited batch's (docs/fp8.md)
+    fp8_tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         self._coerce_and_check_types()
+        t = self.fp8_tokens_per_step
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise OptionError("--tokens-per-step must be a whole number >= 1", found=repr(t),
+                              hint="the rows (batch x sequence) one training step feeds each linear, e.g. 65536")
+        if t is not None and not fp8_requested(self.formats):
+            raise OptionError("--tokens-per-step prices the FP8 plan, and no FP8 format is audited",
+                              found=f"--formats {','.join(f.value for f in self.formats or ())}",
+                              hint="add fp8_e4m3 to --formats, or leave --tokens-per-step out")
         if self.device not in ("auto", "cuda", "cpu"):
             raise OptionError(f"unknown --device {self.device!r}", choices=("auto", "cuda", "cpu"))
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):

@@ -1,5 +1,7 @@
 """A/B check of a policy by short training: the same N steps from the same initial weights under FP32, under
-the policy, and under plain BF16 and FP16 autocast (README.md, "Usage": ``precision-audit verify``).
+the policy, and under plain BF16 and FP16 autocast (README.md, "Usage": ``precision-audit verify``). A policy
+with an ``fp8`` key adds the arm ``policy_fp8``: the policy with its FP8 modules converted through torchao
+(emulated unless the GPU has FP8 Tensor Cores; docs/fp8.md, "verify").
 
 On a GPU the arms run under real ``torch.autocast("cuda")``; elsewhere CUDA autocast is emulated exactly as in
 the audit. Every arm sees the same batch each step, the same seed and the same optimizer settings; plain FP16
@@ -77,7 +79,10 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
         return emulated_autocast(dtype)
 
     policy_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy.default_format)
-    arms = [("fp32", None), ("policy", policy_dtype), ("bf16", torch.bfloat16), ("fp16", torch.float16)]
+    arms = [("fp32", None), ("policy", policy_dtype)]
+    if check_fp8_arm(model, policy, mode, device):
+        arms.append(("policy_fp8", policy_dtype))
+    arms += [("bf16", torch.bfloat16), ("fp16", torch.float16)]
     curves: dict[str, list[float | None]] = {}
     final_params: dict[str, list[torch.Tensor]] = {}
     skipped: dict[str, int] = {}
@@ -98,7 +103,8 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                 # The FP32 arm is strict IEEE fp32 on CUDA, as the audit's reference: TF32 off for cuBLAS *and*
                 # cuDNN; the user's exact settings come back after (precision_audit/tf32_switches.py).
                 with (tf32_switches(matmul=False, cudnn=False) if arm == "fp32" and mode == "cuda"
-                      else contextlib.nullcontext()), _armed(arm, policy, m, opt, device_type) as step:
+                      else contextlib.nullcontext()), _armed(arm, policy, m, opt, device_type, mode,
+                                                                     device) as step:
                     for _ in range(opts.steps):
                         with autocast(dtype):
                             loss = loss_of(forward(m))
@@ -124,35 +130,92 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
         den = sum(float(b.double().pow(2).sum()) for b in final_params["fp32"])
         param_rel[arm] = math.sqrt(num / den) if den and math.isfinite(num) else None
     failure = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
+    if failure is None and "policy_fp8" in curves:
+        failure = policy_failure(errors, curves["policy_fp8"], final_params.get("policy_fp8") or [], "policy_fp8")
     return VerifyResult(steps=opts.steps, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed, mode=mode,
                         curves=curves, skipped_steps=skipped, errors=errors, final_loss_rel_change=final_rel,
                         param_rel_change=param_rel, policy_failure=failure, policy_safe=failure is None)
 
 
-def policy_failure(errors: dict[str, str], curve: list[float | None], params: list[torch.Tensor]) -> str | None:
-    """Why the policy arm failed, or None when it trained: it raised, its loss went non-finite at the end, or its
-    final parameters are not finite. ``precision-audit verify`` then exits 1, "unsafe" (docs/report.md); the
-    plain BF16 / FP16 arms failing is what a policy is for, and is only reported."""
-    if "policy" in errors:
-        return f"the policy arm raised {errors['policy']}"
+def policy_failure(errors: dict[str, str], curve: list[float | None], params: list[torch.Tensor],
+                   arm: str = "policy") -> str | None:
+    """Why the policy arm (or its FP8 arm, ``arm="policy_fp8"``) failed, or None when it trained: it raised, its
+    loss went non-finite at the end, or its final parameters are not finite. ``precision-audit verify`` then exits
+    1, "unsafe" (docs/report.md); the plain BF16 / FP16 arms failing is what a policy is for, and is only
+    reported."""
+    label = "policy" if arm == "policy" else f"policy's FP8 ({arm})"
+    if arm in errors:
+        return f"the {label} arm raised {errors[arm]}"
     if not curve or curve[-1] is None:
         bad = sum(v is None for v in curve)
-        return f"the policy arm's final loss is not finite ({bad} of {len(curve)} step(s) non-finite)"
+        return f"the {label} arm's final loss is not finite ({bad} of {len(curve)} step(s) non-finite)"
     if any(not bool(torch.isfinite(p).all()) for p in params):
-        return "the policy arm's parameters are not finite after training"
+        return f"the {label} arm's parameters are not finite after training"
     return None
+
+
+def _fp8_emulate(mode: str, device: str) -> bool:
+    """torchao's ``emulate`` for the FP8 arm: on a GPU of compute capability 8.9 or later the real
+    ``torch._scaled_mm`` kernels (as the runtime chooses, runtime/fp8.py); elsewhere, and in emulated mode,
+    emulated (FP32 GEMMs of the dequantised operands). Decided from the device the arms train on, so the check
+    before training (which runs on a CPU copy) applies the same rules, e.g. dimensions that are multiples of 16."""
+    if mode != "cuda":
+        return True
+    return torch.cuda.get_device_capability(torch.device(device)) < (8, 9)
+
+
+def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> None:
+    """Under CUDA autocast, torchao's Float8Linear casts its input to the autocast dtype, quantises it and the
+    FP32 weight to FP8 and returns the autocast dtype. The audit's CPU emulation of CUDA autocast rounds every
+    GEMM operand through FP32, which torchao's FP8 tensors do not support; so in emulated mode each converted
+    module runs with autocast off on its input rounded to the autocast dtype, in FP32 from the dequantised FP8
+    operands (torchao's ``emulate``), and its output is rounded to the autocast dtype, as on the GPU."""
+    mods = dict(model.named_modules())
+    for name in names:
+        m = mods[name]
+
+        def forward(x: torch.Tensor, _inner=m.forward) -> torch.Tensor:
+            if not torch.is_autocast_enabled("cpu"):
+                return _inner(x)
+            dtype = torch.get_autocast_dtype("cpu")
+            with torch.autocast("cpu", enabled=False):
+                return _inner(x.to(dtype).float()).to(dtype)
+        m.forward = forward
+
+
+def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str, device: str = "cpu") -> bool:
+    """Whether the policy has FP8 modules (then verify trains a ``policy_fp8`` arm). Checked before any training
+    on a copy of the model: a plan the runtime cannot apply (torchao missing, a recipe it has no training path
+    for, a module that is not an ``nn.Linear``) raises :class:`~precision_audit.errors.PolicyError` (exit 2)."""
+    from .fp8.policy import Fp8Plan
+    from .runtime.fp8 import apply_fp8
+
+    plan = Fp8Plan.from_policy(policy)
+    if not plan.modules:
+        return False
+    apply_fp8(copy.deepcopy(model), plan, emulate=_fp8_emulate(mode, device))
+    return True
 
 
 @contextlib.contextmanager
 def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Optimizer,
-           device_type: str) -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
+           device_type: str, mode: str = "emulated",
+           device: str = "cpu") -> Iterator[Callable[[torch.Tensor], tuple[float, bool]]]:
     """A step function for one arm: (loss) -> (loss value, skipped)."""
-    if arm == "policy":
+    if arm in ("policy", "policy_fp8"):
         from .runtime.api import apply_policy
         from .runtime.api import controller as make_controller
 
         handle = apply_policy(model, policy, device_type=device_type)
         controller = make_controller(model, opt, policy, device=device_type)
+        if arm == "policy_fp8":
+            # the planned linears become torchao Float8Linear in place, keeping their parameters (the optimizer's);
+            # after apply_policy and the controller: their fingerprint checks need the model the policy was made for
+            from .runtime.fp8 import apply_fp8
+
+            converted = apply_fp8(model, policy, emulate=_fp8_emulate(mode, device))
+            if mode != "cuda":
+                _fp8_under_emulated_autocast(model, converted)
 
         def step(loss):
             rec = controller.step(loss)

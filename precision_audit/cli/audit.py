@@ -118,6 +118,9 @@ def _audit_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="SPEC", default="",
                    help="error budget, e.g. loss=0.01,output=0.05, each key at most once (defaults: relative "
                         "loss change 0.01, output relative L2 error 0.05)")
+    p.add_argument("--tokens-per-step", type=int, default=None, metavar="N",
+                   help="with an FP8 format: the rows (batch x sequence) one training step feeds each linear, for "
+                        "the FP8 plan's cost (default: the audited batch's; docs/fp8.md)")
     from ..distributed import add_options as add_distributed_options  # --nproc, --shard (issue 15)
 
     add_distributed_options(p)
@@ -150,6 +153,7 @@ def audit_main(argv: list[str]) -> int:
         model=args.model, batch=args.batch, out=Path(args.out), target=args.target,
         formats=parse_formats(args.formats) if args.formats is not None else None, device=args.device,
         emulate=args.emulate, steps=args.steps, seed=args.seed, budget=_budget(args.budget), kernels=args.kernels,
+        fp8_tokens_per_step=args.tokens_per_step,
     )
     from ..report.terminal import Progress, summary_text
 

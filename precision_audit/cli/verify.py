@@ -1,7 +1,8 @@
 """``precision-audit verify MODEL --batch BATCH --policy POLICY [--steps N] [--out DIR]``: A/B short training.
 
-Trains N steps from the same initial weights under FP32, under the policy, and under plain BF16 and FP16
-autocast, and records the loss curves and the final divergence in ``--out``/audit.json (section ``verify``)
+Trains N steps from the same initial weights under FP32, under the policy (and, when the policy has an ``fp8``
+key, under the policy with its FP8 modules converted through torchao: docs/fp8.md, "verify"), and under plain BF16
+and FP16 autocast, and records the loss curves and the final divergence in ``--out``/audit.json (section ``verify``)
 and its report; without an audit.json there, it writes ``--out``/verify.json.
 
 Exit codes: 0 the policy arm trained; 1 it failed ("unsafe": it raised, or its final loss or parameters

@@ -30,8 +30,11 @@ def requested(formats: Iterable[Any] | None) -> bool:
 
 def fp8_stage(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
               loss_of: Callable[[Any], torch.Tensor], target: GpuSpec, budget: Any, *, device: str = "cpu",
-              seed: int = 0, say: Callable[[str], None] = lambda m: None) -> tuple[dict, Fp8Plan]:
-    """Measure, price and plan; returns (audit.json's ``fp8`` section, the policy's FP8 plan)."""
+              seed: int = 0, say: Callable[[str], None] = lambda m: None,
+              tokens_per_step: int | None = None) -> tuple[dict, Fp8Plan]:
+    """Measure, price and plan; returns (audit.json's ``fp8`` section, the policy's FP8 plan).
+    ``tokens_per_step`` (``--tokens-per-step``): the rows per training step each linear is priced at; None: the
+    audited batch's."""
     say(f"FP8: measuring {len(DEFAULT_RECIPES)} recipes on every linear layer (docs/fp8.md)")
     result = measure_fp8(model, forward, loss_of, DEFAULT_RECIPES, device=device, seed=seed)
     local_budget = budget.max_output_rel_error
@@ -43,7 +46,8 @@ def fp8_stage(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
     verify = make_verifier(model, forward, loss_of, result.reference_outputs, seed, device)
     plan: Fp8PlanResult = plan_fp8(result, target, max_local_rel_error=local_budget,
                                    max_loss_rel_change=budget.max_loss_rel_change,
-                                   max_output_rel_error=budget.max_output_rel_error, verify=verify)
+                                   max_output_rel_error=budget.max_output_rel_error, verify=verify,
+                                   tokens_per_step=tokens_per_step)
     section["plan"] = plan.to_dict()
     section["target"] = {"name": target.name, "compute_capability": list(target.compute_capability),
                          "recipes_supported": [r for r in RECIPES if supported(RECIPES[r], target.compute_capability)]}

@@ -50,13 +50,23 @@ class OperandStats:
                 "scale_max": self.scale_max if self.calls and math.isfinite(self.scale_max) else None}
 
 
+def _dtype(cast: Cast) -> torch.dtype:
+    """The element dtype of an FP8 / MX cast (every one names it: fp8/recipes.py)."""
+    if cast.dtype is None:
+        raise ValueError(f"a {cast.kind} cast needs an element dtype")
+    return cast.dtype
+
+
 def _effective_scales(q: Q.Quantized, cast: Cast) -> torch.Tensor:
     if cast.kind == "mx":
+        assert q.block_scale is not None  # an MX quantisation always has block scales
         e = q.block_scale.view(torch.uint8).float()
         return torch.exp2(Q.E8M0_BIAS - e[e != 255])
     if cast.kind == "nvfp4":
+        assert q.block_scale is not None
         outer = q.scale if q.scale is not None else torch.tensor(1.0)
         return 1.0 / (q.block_scale.float().flatten() * outer)
+    assert q.scale is not None  # tensorwise, axiswise and delayed casts have one
     return q.scale.flatten().float()
 
 
@@ -68,7 +78,7 @@ class Fp8State:
     recipe: Recipe
     scalers: dict[str, Q.DelayedScaler] = field(default_factory=dict)
     stats: dict[tuple[str, str], OperandStats] = field(default_factory=dict)
-    _cache: dict = field(default_factory=dict)
+    _cache: dict[tuple, Q.Quantized] = field(default_factory=dict)
 
     def scaler(self, role: str, dtype: torch.dtype) -> Q.DelayedScaler:
         s = self.scalers.get(role)
@@ -82,18 +92,19 @@ class Fp8State:
         cast = self.recipe.cast(gemm, role)
         if cast.kind == "hp":
             return t
+        q: Q.Quantized | None
         if cast.kind == "tensorwise":
-            q = Q.quantize_tensorwise(t, cast.dtype, cast.pow2)
+            q = Q.quantize_tensorwise(t, _dtype(cast), cast.pow2)
         elif cast.kind == "axiswise":
-            q = Q.quantize_axiswise(t, cast.dtype, dim, cast.pow2)
+            q = Q.quantize_axiswise(t, _dtype(cast), dim, cast.pow2)
         elif cast.kind == "delayed":
             # one quantisation per tensor and call, used by both GEMMs it feeds (TE keeps the FP8 copy)
             key = (role, t.data_ptr(), tuple(t.shape))
             q = self._cache.get(key)
             if q is None:
-                q = self._cache[key] = self.scaler(role, cast.dtype).quantize(t)
+                q = self._cache[key] = self.scaler(role, _dtype(cast)).quantize(t)
         elif cast.kind == "mx":
-            q = Q.quantize_mx(t, cast.dtype, self.recipe.block, dim)
+            q = Q.quantize_mx(t, _dtype(cast), self.recipe.block, dim)
         elif cast.kind == "nvfp4":
             q = Q.quantize_nvfp4(t, dim)
         else:
@@ -104,13 +115,13 @@ class Fp8State:
     def new_call(self) -> None:
         self._cache.clear()
 
-    def copy(self) -> "Fp8State":
+    def copy(self) -> Fp8State:
         return Fp8State(self.recipe, copy.deepcopy(self.scalers))
 
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, state: Fp8State):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, state: Fp8State):
         state.new_call()
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = weight.float()
@@ -125,7 +136,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         x2, w = ctx.saved_tensors
         s: Fp8State = ctx.state
         go = grad_out.reshape(-1, grad_out.shape[-1]).float()
@@ -159,11 +170,11 @@ def patched(modules: dict[torch.nn.Linear, Fp8State]) -> Iterator[None]:
             m.forward = fwd  # type: ignore[method-assign]
         yield
     finally:
-        for m, old in saved:
+        for mod, old in saved:
             if old is _MISSING:
-                m.__dict__.pop("forward", None)
+                mod.__dict__.pop("forward", None)
             else:
-                m.__dict__["forward"] = old
+                mod.__dict__["forward"] = old
 
 
 _MISSING = object()

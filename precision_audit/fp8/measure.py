@@ -30,6 +30,7 @@ from ..capture.records import float_tensors
 from ..capture.runner import ModelState
 from ..capture.stats import ErrorStats
 from .linear import Fp8State, OperandStats, fp8_linear, patched
+from .other_gemms import OtherGemm, measure_other_gemms, other_gemms_dict
 from .recipes import DEFAULT_RECIPES, RECIPES, Recipe
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class Fp8Result:
     notes: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     reference_outputs: list[torch.Tensor] = field(default_factory=list, repr=False)  # FP32 model outputs
+    other_gemms: list[OtherGemm] = field(default_factory=list)  # matmul/bmm outside nn.Linear (fp8/other_gemms.py)
 
 
 @dataclass
@@ -183,6 +185,7 @@ def _measure(model, forward, loss_of, names, state, seed, history_steps) -> Fp8R
             for role, dtype in (("input", recipe.cast("output", "input").dtype),
                                 ("weight", recipe.cast("output", "weight").dtype),
                                 ("grad_output", recipe.cast("grad_input", "grad_output").dtype)):
+                assert dtype is not None  # delayed casts are FP8 (fp8/recipes.py)
                 sc = st.scaler(role, dtype)
                 for a in histories.get(m, {}).get(role, []):
                     sc.observe(a)
@@ -210,7 +213,11 @@ def _measure(model, forward, loss_of, names, state, seed, history_steps) -> Fp8R
         except Exception as e:  # the model fails under the recipe: reported, not fatal
             losses[rname] = None
             errors[rname] = f"{type(e).__name__}: {e}"
-    return Fp8Result(names, loss_fp32, losses, out_err, list(layers.values()), history_steps, notes, errors, ref_out)
+    # GEMMs outside nn.Linear: one more FP32 forward with the same seed, each matmul/bmm measured where it runs
+    _reset(model, state, seed)
+    others = measure_other_gemms(model, lambda: forward(model), names)
+    return Fp8Result(names, loss_fp32, losses, out_err, list(layers.values()), history_steps, notes, errors, ref_out,
+                     others)
 
 
 def _local(m: torch.nn.Linear, c: _Call, st: Fp8State, res: RecipeLayerResult) -> None:
@@ -229,6 +236,7 @@ def _local(m: torch.nn.Linear, c: _Call, st: Fp8State, res: RecipeLayerResult) -
     x2 = c.x.float().reshape(-1, c.x.shape[-1])
     ref_gx = (go @ w).reshape(c.x.shape)
     ref_gw = go.t() @ x2
+    assert x.grad is not None and wq.grad is not None  # both require grad and feed y
     res.local.setdefault("grad_input", ErrorStats()).update(ref_gx, x.grad)
     res.local.setdefault("grad_weight", ErrorStats()).update(ref_gw, wq.grad)
     d = torch.where(torch.isfinite(c.y), y.detach() - c.y, 0.0)
@@ -348,4 +356,5 @@ def result_dict(r: Fp8Result, budget_rel_error: float) -> dict:
         "layers": layers,
         "notes": r.notes,
         "errors": r.errors,
+        "other_gemms": other_gemms_dict(r.other_gemms, budget_rel_error, r.recipes),
     }

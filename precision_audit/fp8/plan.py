@@ -59,7 +59,8 @@ class Fp8PlanResult:
                 return None
             base = next(iter(c.costs.values())).bf16_time_s
             bf16 += base
-            planned += c.costs[c.recipe].time_s if c.recipe else base
+            t = c.costs[c.recipe].time_s if c.recipe else None
+            planned += t if t is not None else base
         return bf16 / planned if planned else None
 
     def to_dict(self) -> dict:
@@ -97,7 +98,8 @@ def plan_fp8(result: Fp8Result, target: GpuSpec, *, max_local_rel_error: float, 
         tokens[L.name] = t
         flops = 3 * 2 * t * L.in_features * L.out_features * max(1, L.calls)
         costs = {r: layer_cost(t, L.in_features, L.out_features, r, target) for r in recipes}
-        why_not, ok = [], []
+        why_not: list[str] = []
+        ok: list[tuple[float, float, str]] = []
         for r in recipes:
             c = costs[r]
             err = _local_error(L, r)
@@ -111,7 +113,7 @@ def plan_fp8(result: Fp8Result, target: GpuSpec, *, max_local_rel_error: float, 
                 why_not.append(f"{r}: {c.note}")
             elif not c.pays:
                 why_not.append(f"{r}: not worth converting (est. {c.speedup:.2f}x vs BF16 at {t} tokens)")
-            else:
+            elif c.time_s is not None:
                 ok.append((c.time_s, err, r))
         if ok:
             _, err, r = min(ok)
@@ -129,17 +131,17 @@ def plan_fp8(result: Fp8Result, target: GpuSpec, *, max_local_rel_error: float, 
     while plan.modules:
         loss, oerr = verify(plan.modules)
         rel_loss = abs(loss - result.loss_fp32) / max(abs(result.loss_fp32), 1e-30)
-        ok = rel_loss <= max_loss_rel_change and oerr.rel_l2 <= max_output_rel_error
+        within = rel_loss <= max_loss_rel_change and oerr.rel_l2 <= max_output_rel_error
         plan.verified = {"modules": dict(plan.modules), "loss": loss, "loss_rel_change": rel_loss,
-                         "output_rel_l2": oerr.rel_l2, "meets_budget": ok}
-        if ok:
+                         "output_rel_l2": oerr.rel_l2, "meets_budget": within}
+        if within:
             break
         worst = max(plan.modules, key=lambda n: (impact.get(n, 0.0), n))
-        c = choices[worst]
-        c.reason = (f"kept in the plan's format: {c.recipe} met its local budget, but the FP8 set together broke "
-                    f"the model budget (loss change {rel_loss:.2e}, output error {oerr.rel_l2:.2e}) and this module "
-                    f"moves the loss most (first-order {impact.get(worst, 0.0):.2e})")
-        c.recipe = None
+        ch = choices[worst]
+        ch.reason = (f"kept in the plan's format: {ch.recipe} met its local budget, but the FP8 set together broke "
+                     f"the model budget (loss change {rel_loss:.2e}, output error {oerr.rel_l2:.2e}) and this module "
+                     f"moves the loss most (first-order {impact.get(worst, 0.0):.2e})")
+        ch.recipe = None
         plan.dropped.append(worst)
     return plan
 

@@ -29,6 +29,27 @@ def _cell(rec: Mapping[str, Any], cost: Mapping[str, Any] | None) -> dict[str, A
             "speedup": _num(cost.get("speedup_vs_bf16")) if isinstance(cost, Mapping) else None}
 
 
+def _tokens(t: Any) -> str | None:
+    """The rows per step the plan was priced at: one number when every layer had the same."""
+    if not isinstance(t, Mapping) or not t:
+        return None
+    vals = sorted({v for v in t.values() if isinstance(v, int)})
+    return None if not vals else str(vals[0]) if len(vals) == 1 else f"{vals[0]}-{vals[-1]}"
+
+
+def _other_gemms(other: Any, recipes: list[str]) -> list[dict[str, Any]]:
+    """Rows for matmul/bmm outside nn.Linear (audit.json ``fp8.other_gemms``)."""
+    rows = []
+    for o in other if isinstance(other, list) else []:
+        per = o.get("recipes") if isinstance(o.get("recipes"), Mapping) else {}
+        cells = {r: _cell(per[r], None) for r in recipes if isinstance(per.get(r), Mapping) and "local" in per[r]}
+        rows.append({"name": f"{o.get('module') or '(root)'} {o.get('op')} #{o.get('index')}",
+                     "shape": "{} @ {}".format("x".join(map(str, o.get("a_shape", []))),
+                                               "x".join(map(str, o.get("b_shape", [])))),
+                     "cells": cells, "reason": str(o.get("plan", ""))})
+    return rows
+
+
 def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
     """The template's view of ``audit["fp8"]``; None when absent or not as the tool writes it."""
     f = audit.get("fp8")
@@ -36,9 +57,10 @@ def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     try:
         recipes = [r for r in f.get("recipes", {}) if isinstance(r, str)]
-        plan = f.get("plan") if isinstance(f.get("plan"), Mapping) else {}
+        p, a = f.get("plan"), f.get("torchao_auto_filter")
+        plan: Mapping[str, Any] = p if isinstance(p, Mapping) else {}
         pmods = plan.get("modules", {}) if isinstance(plan.get("modules"), Mapping) else {}
-        auto = f.get("torchao_auto_filter") if isinstance(f.get("torchao_auto_filter"), Mapping) else {}
+        auto: Mapping[str, Any] = a if isinstance(a, Mapping) else {}
         rows = []
         for L in f.get("layers", []):
             name = str(L.get("name"))
@@ -55,7 +77,8 @@ def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
                 "share": _num(plan.get("fp8_flop_share")),
                 "speedup": _num(plan.get("estimated_linear_speedup_vs_bf16")),
                 "target": (f.get("target") or {}).get("name"), "notes": [str(n) for n in f.get("notes", [])],
-                "plan_note": f.get("plan_note")}
+                "plan_note": f.get("plan_note"), "tokens_per_step": _tokens(plan.get("tokens_per_step")),
+                "other": _other_gemms(f.get("other_gemms"), recipes)}
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # a hand-edited audit.json: no section
         log.warning("the fp8 section of audit.json is not as precision-audit writes it (%s): not shown", e)
         return None
