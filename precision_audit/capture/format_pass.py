@@ -22,8 +22,8 @@ import torch
 
 from ..distributed.tensors import owned_part
 from ..formats import Format
-from .gemm_mode import is_missing_low_precision_kernel
 from .failures import RunFailure
+from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .stats import ErrorStats
 
