@@ -22,8 +22,8 @@ import torch
 
 from ..distributed.tensors import owned_part
 from ..formats import Format
-from .gemm_mode import is_missing_low_precision_kernel
 from .failures import RunFailure
+from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .stats import ErrorStats
 
@@ -36,6 +36,26 @@ class FormatPasses:
     model: torch.nn.Module
     layers: dict[int, LayerRecord]
     runs: dict[Format, RunRecord]
+    # the session's other state and helpers this part uses (capture/session.py), declared for the type checker
+    _phase: Format | str | None
+    _names: dict[int, str]
+    _modules: dict[int, torch.nn.Module]
+    _refs: Any
+    _ref_outputs: dict[int, list[list[torch.Tensor]]]
+    _ref_grad_nonfinite: dict[int, torch.Tensor]
+    _stat_cache: dict[tuple, tuple[torch.Tensor, Any]]
+    _use_gemm_mode: bool
+    _reset: Any
+    _run: Any
+    _autocast: Any
+    _same_draws: Any
+    _call_index: dict[int, int]
+    _stack: list[int]
+    _forward: Any
+    _loss_of: Any
+    _backward_context: Any
+    _error_of: Any
+    _summary_of: Any
 
     def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
         """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""
@@ -101,6 +121,7 @@ class FormatPasses:
 
     def _grad_nonfinite(self, p: torch.Tensor) -> tuple[int, int]:
         """(non-finite gradient elements of ``p`` where FP32's is finite, those where FP32's is not finite too)."""
+        assert p.grad is not None  # the callers count parameters that have a gradient
         bad = ~torch.isfinite(owned_part(p.grad).detach())
         ref = self._ref_grad_nonfinite.get(id(p))
         if ref is None or ref.shape != bad.shape:

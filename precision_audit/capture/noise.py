@@ -214,6 +214,10 @@ def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, 
              session._ref_grad_nonfinite, list(session.warnings))
     session.layers, session.grad_all, session._ref_outputs = {}, MagnitudeHistogram(), {}
     session._ref_grad_nonfinite = {}
+    # Only the loss impacts are read from this pass: it skips the histograms, the FP32 references, the local
+    # error sums and the op tracker (it reads the first pass's per-call op counts), none of which the impacts
+    # depend on (docs/performance.md, "Second order")
+    session._impacts_only = True
     try:
         with _threads(threads):
             session.reference_run()
@@ -225,6 +229,7 @@ def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, 
         log.warning("the reference pass at %d thread(s) failed (%s); the planner uses one order's impacts", threads, e)
         return None, f"not measured: the reference pass at {threads} thread(s) raised {type(e).__name__}: {e}"
     finally:
+        session._impacts_only = False
         (session.layers, session.grad_all, session._ref_outputs, session.reference,
          session._ref_grad_nonfinite, session.warnings) = saved
         session._clone_cache.clear()

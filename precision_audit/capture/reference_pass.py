@@ -25,8 +25,8 @@ from ..distributed.tensors import owned_part
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
 from .emulation import rounding_registry_paused
-from .gemm_mode import is_missing_low_precision_kernel
 from .failures import RunFailure
+from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .stats import ErrorStats, MagnitudeHistogram
 
@@ -43,6 +43,30 @@ class ReferencePass:
     layers: dict[int, LayerRecord]
     grad_all: MagnitudeHistogram
     reference: RunRecord | None
+    # the session's other state and helpers this part uses (capture/session.py), declared for the type checker
+    _phase: Format | str | None
+    _names: dict[int, str]
+    _modules: dict[int, torch.nn.Module]
+    _refs: Any
+    _ref_outputs: dict[int, list[list[torch.Tensor]]]
+    _ref_grad_nonfinite: dict[int, torch.Tensor]
+    _stat_cache: dict[tuple, tuple[torch.Tensor, Any]]
+    _use_gemm_mode: bool
+    _reset: Any
+    _run: Any
+    _autocast: Any
+    _same_draws: Any
+    _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
+    _loss_ref: Any
+    _clone_cache: dict[int, tuple[int, torch.Tensor]]
+    _impacts_only: bool
+    _call_ops: dict[tuple[int, int], tuple[int, int]]
+    _rerunning: bool
+    _fp32_reference_switches: Any
+    _rng_state: Any
+    _set_rng_state: Any
+    _hist_of: Any
+    _clone_ref: Any
 
     def reference_run(self) -> RunRecord:
         """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
@@ -71,7 +95,8 @@ class ReferencePass:
                                     hint="check the model's custom autograd code (backward) in FP32 first") from e
         finally:
             self._phase = None
-        self._param_grad_histograms()
+        if not self._impacts_only:
+            self._param_grad_histograms()
         self._clone_cache.clear()
         self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
@@ -127,13 +152,19 @@ class ReferencePass:
                 hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
     def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
+        if self._impacts_only:
+            # the repeat at the second order: no op tracker ran; the first pass's counts of the same call
+            own_ops, own_work = self._call_ops.get((id(m), rec.calls), (own_ops, own_work))
+        else:
+            self._call_ops[(id(m), rec.calls)] = (own_ops, own_work)
         rec.calls += 1
         rec.own_ops += own_ops
         if rec.calls == 1:
             rec.output_shapes = [list(y.shape) for y in ys]
-        for y in ys:
-            rec.activation.merge(self._hist_of(y))
-        self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
+        if not self._impacts_only:  # histograms and FP32 references: the first pass's records only
+            for y in ys:
+                rec.activation.merge(self._hist_of(y))
+            self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
         computes = own_ops > 0
         rec.computes = rec.computes or computes
         # A container whose own work in this call is additions only (a residual add) is not re-run: its local
@@ -191,13 +222,17 @@ class ReferencePass:
                 if fs.local is None:
                     fs.local = ErrorStats()
                     fs.local_note = None
+                finite: list[bool | None] = []
                 for y, p in zip(ys, ps):
+                    if self._impacts_only:  # the second order's local errors are not read (capture/noise.py)
+                        finite.append(None)
+                        continue
+                    before = fs.local.ref_nonfinite
                     fs.local.update(y, p)
+                    finite.append(fs.local.ref_nonfinite == before)
                 if any(y.requires_grad for y in ys):
-                    # zero where FP32 itself is not finite: FP32's own inf/NaN is no format's loss impact
-                    diffs[fmt] = [self._refs.stash(torch.where(torch.isfinite(y.detach()),
-                                                               p.detach().float() - y.detach(), 0.0)
-                                                   .to(torch.bfloat16)) for y, p in zip(ys, ps)]
+                    diffs[fmt] = [self._refs.stash(_diff_bf16(y.detach(), p.detach(), ok))
+                                  for y, p, ok in zip(ys, ps, finite)]
         finally:
             self._set_rng_state(now)
             self._rerunning = False
@@ -217,6 +252,16 @@ class ReferencePass:
     def _reference_grad(self, rec: LayerRecord, g: torch.Tensor, diffs: dict[Format, torch.Tensor] | None,
                         own: tuple[int, Any] | None) -> None:
         """dL/dy of one output in the FP32 backward: its histogram, and each format's first-order loss impact."""
+        if not self._impacts_only:  # the repeat at the second order: histograms are the first pass's records
+            self._grad_histograms(rec, g, own)
+        for f, d in (diffs or {}).items():
+            impact = float((g.detach().double() * self._refs.on(d, g).double()).sum())
+            fs = rec.formats[f]
+            fs.loss_impact += impact
+            fs.loss_impact_abs += abs(impact)
+            fs.impact_measured = True
+
+    def _grad_histograms(self, rec: LayerRecord, g: torch.Tensor, own: tuple[int, Any] | None) -> None:
         h = MagnitudeHistogram()
         h.update(g)
         rec.grad_output.merge(h)
@@ -229,12 +274,21 @@ class ReferencePass:
                 rec.grad_loss.merge(h)
             else:
                 rec.grad_output_own.setdefault(own[0], MagnitudeHistogram()).merge(h)
-        for f, d in (diffs or {}).items():
-            impact = float((g.detach().double() * self._refs.on(d, g).double()).sum())
-            fs = rec.formats[f]
-            fs.loss_impact += impact
-            fs.loss_impact_abs += abs(impact)
-            fs.impact_measured = True
+
+
+def _diff_bf16(y: torch.Tensor, p: torch.Tensor, finite: bool | None) -> torch.Tensor:
+    """y_p - y in bf16, zero where FP32 itself is not finite (FP32's own inf/NaN is no format's loss impact).
+
+    ``finite``: whether every element of ``y`` is known finite (None: not known; checked here by its sum, which
+    is finite only when every element is). Where it is, the subtraction alone gives the same bits as the masked
+    one, in one read of each operand: a low-precision ``p`` is promoted to float32 exactly inside the kernel.
+    """
+    if y.dtype == torch.float32 and p.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        if finite is None:
+            finite = bool(torch.isfinite(y.sum()))  # an overflowing sum only takes the masked path below
+        if finite:
+            return torch.sub(p, y).to(torch.bfloat16)
+    return torch.where(torch.isfinite(y), p.float() - y, 0.0).to(torch.bfloat16)
 
 
 def _holds_objects(value: Any) -> bool:

@@ -135,6 +135,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
         self._draw_mismatches = 0
         self._rerunning = False
+        # The reference pass repeated at the second reduction order (capture/noise.py) is read for its loss
+        # impacts only: it skips what only the first pass's records use (docs/performance.md, "Second order")
+        self._impacts_only = False
+        # (module, call) -> (own ops, own ops other than additions), from the first reference forward's op
+        # tracker: the repeat at the second order runs the same ops and reads them from here, untracked
+        self._call_ops: dict[tuple[int, int], tuple[int, int]] = {}
         self._call_index: dict[int, int] = {}
         self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
         self._clone_cache: dict[int, tuple[int, torch.Tensor]] = {}
@@ -195,6 +201,7 @@ class CaptureSession(ReferencePass, FormatPasses):
                 self._stat_cache.clear()
                 self._producers.clear()
                 self._draws.clear()
+                self._call_ops.clear()
             finally:
                 try:
                     if self._prepared:
@@ -415,7 +422,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
         try:
             if fmt is None:
-                with self._fp32_reference_switches(), counter, self._same_draws(None), OpTracker(self):
+                # the repeat at the second order reads the first pass's per-call op counts (_call_ops)
+                tracker = contextlib.nullcontext() if self._impacts_only else OpTracker(self)
+                with self._fp32_reference_switches(), counter, self._same_draws(None), tracker:
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
                 self._loss_ref = weakref.ref(loss)

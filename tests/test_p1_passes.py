@@ -1,0 +1,108 @@
+"""Issue 14, P1: the reference pass's repeat at the second reduction order reads its impacts only, and the bf16
+diff of a local re-run takes one subtraction where the reference is finite — both without changing a figure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT
+from precision_audit.audit import SubjectRun, load_subject, set_up
+from precision_audit.capture import op_tracker, reference_pass
+from precision_audit.capture.noise import second_order_impacts
+from precision_audit.capture.reference_pass import _diff_bf16
+from precision_audit.capture.session import CaptureConfig, CaptureSession
+from precision_audit.options import AuditOptions
+
+
+def _masked(y: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The diff as it was computed before: exact reference for _diff_bf16."""
+    return torch.where(torch.isfinite(y), p.float() - y, 0.0).to(torch.bfloat16)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_diff_bf16_equals_the_masked_diff(pdtype):
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(4097, generator=g) * torch.logspace(-30, 30, 4097)
+    p = (y * (1 + 1e-3 * torch.randn(4097, generator=g))).to(pdtype)
+    for finite in (None, True):
+        assert _same_bits(_diff_bf16(y, p, finite), _masked(y, p))
+    # non-finite reference values (FP32's own): zero there, by the masked path (flag False or found by the sum)
+    y_bad = y.clone()
+    y_bad[[3, 50, 4000]] = torch.tensor([math.inf, -math.inf, math.nan])
+    for finite in (None, False):
+        assert _same_bits(_diff_bf16(y_bad, p, finite), _masked(y_bad, p))
+    # a non-finite low-precision value where FP32 is finite is kept (it is the format's)
+    p_bad = p.clone()
+    p_bad[7] = math.inf
+    assert _same_bits(_diff_bf16(y, p_bad, None), _masked(y, p_bad))
+    assert torch.isinf(_diff_bf16(y, p_bad, None)[7])
+
+
+def test_diff_bf16_with_an_overflowing_sum_is_still_exact():
+    y = torch.full((8,), 3.0e38)  # every element finite, their sum is not: the masked path, same bits
+    p = y.clone().to(torch.bfloat16)
+    assert not math.isfinite(float(y.sum()))
+    assert _same_bits(_diff_bf16(y, p, None), _masked(y, p))
+
+
+class _Before(CaptureSession):
+    """The repeat records everything as the first pass does (the flag cannot be set)."""
+
+    _impacts_only = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("sample", ["tiny_gpt", "cnn"])
+def test_second_order_impacts_equal_the_full_repeat_and_skip_the_tracker(sample, monkeypatch):
+    opts = AuditOptions(model=str(ROOT / "sample_models" / sample / "model.py"))
+    subject = load_subject(opts)
+    setup = set_up(opts)
+    run = SubjectRun(subject.source, subject.batch, setup.device)
+    config = CaptureConfig(formats=setup.formats, device=setup.device, mode=setup.mode, seed=0, timed_steps=0,
+                           kernels=setup.kernels)
+    trackers = []
+    real = op_tracker.OpTracker.__init__
+
+    def counting(self, session):
+        trackers.append(session._impacts_only)
+        real(self, session)
+
+    monkeypatch.setattr(op_tracker.OpTracker, "__init__", counting)
+    with CaptureSession(subject.model, run.forward, run.loss_of, config) as s:
+        s.reference_run()
+        first = {r.name: (r.activation.counts.tolist(), r.calls) for r in s.layers.values()}
+        lean, note = second_order_impacts(s, 2)
+        assert note is None and lean
+        assert trackers == [False]  # the first pass's tracker only: the repeat reads its counts
+        assert {r.name: (r.activation.counts.tolist(), r.calls) for r in s.layers.values()} == first
+        s.__class__ = _Before
+        full, _ = second_order_impacts(s, 2)
+        s.__class__ = CaptureSession
+    assert trackers == [False, False]
+    assert lean == full  # exactly: same impacts per module and format, the same modules measured
+    assert any(v is not None and v > 0 for per in lean.values() for v in per.values())
+
+
+def test_the_flag_is_off_after_the_repeat_even_when_it_fails(monkeypatch):
+    opts = AuditOptions(model=str(ROOT / "sample_models" / "mlp" / "model.py"))
+    subject = load_subject(opts)
+    setup = set_up(opts)
+    run = SubjectRun(subject.source, subject.batch, setup.device)
+    config = CaptureConfig(formats=setup.formats, device=setup.device, mode=setup.mode, timed_steps=0,
+                           kernels=setup.kernels)
+    with CaptureSession(subject.model, run.forward, run.loss_of, config) as s:
+        s.reference_run()
+
+        def boom(*a, **k):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(reference_pass.ReferencePass, "_local_rerun", boom)
+        impacts, note = second_order_impacts(s, 2)
+        assert impacts is None and "boom" in note
+        assert s._impacts_only is False
