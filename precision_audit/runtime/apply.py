@@ -258,8 +258,9 @@ def apply_policy(model: torch.nn.Module, policy: Policy, *, device_type: str | N
     ``model`` may be wrapped by torch.compile, DDP or DataParallel: the policy's names are those of the model
     inside. A model sharded with FSDP2's ``fully_shard`` is refused when a unit would gather a module's parameters
     in another low-precision dtype than the policy's format for it (shard it with
-    :func:`precision_audit.shard_fsdp2`; docs/distributed.md, "The runtime across ranks"). ``device_type`` ("cuda", "cpu", ...) fixes the autocast device; by default each call uses the
-    device of its first tensor input. ``strict=False`` turns a fingerprint mismatch into a logged warning
+    :func:`precision_audit.shard_fsdp2`; docs/distributed.md, "The runtime across ranks").
+    ``device_type`` ("cuda", "cpu", ...) fixes the autocast device; by default each call uses the device of its
+    first tensor input. ``strict=False`` turns a fingerprint mismatch into a logged warning
     (override names must still exist).
 
     Example::

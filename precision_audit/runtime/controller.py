@@ -26,7 +26,10 @@ in the scaled backward (finite forward, scale > 1) is routine and logged at INFO
 an inf on one rank usually reaches all, but not always (``no_sync`` accumulation, parameters outside DDP,
 hand-written gradient sync). Under an initialised process group with more than one rank the controller
 all-reduces (MAX) the flags before ``scaler.step``, so every rank skips the same steps and their scales stay
-equal; it all-reduces the findings too, so every rank names (and promotes) the same module.
+equal; it all-reduces the findings too (the non-finite modules, the source), and takes the source's description
+from the lowest rank that saw it, so every rank names and promotes the same module with the same reason and saves
+the same policy. Under FSDP2 a rank's gradients are DTensor shards: the scan reads each rank's shard, the norm is
+the global one (docs/distributed.md, "The runtime across ranks").
 
 **Source attribution** (every mode). On a step with non-finite gradients the *source* is the first module, in
 the order the calls finished, whose output was non-finite although its inputs were finite (an activation
@@ -70,7 +73,7 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -305,7 +308,7 @@ def _is_dtensor(t: Any) -> bool:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2's parameters and gradients); any other tensor itself."""
-    return t.to_local() if _is_dtensor(t) else t
+    return cast(torch.Tensor, t.to_local()) if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _same(x: float, y: float) -> bool:
@@ -620,7 +623,7 @@ class PrecisionController:
             grads = [p.grad for p in self._params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=dev)
             if _is_dtensor(norm):  # FSDP2: the norm of the shards, reduced across ranks (a collective)
-                norm = norm.full_tensor()
+                norm = norm.full_tensor()  # type: ignore[attr-defined]
             norm = norm.to(dev).float()
             found_infs = self._found_infs()
             if not found_infs:

@@ -15,7 +15,8 @@ the dtype the previous module produced, as under autocast alone, and autocast ca
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 
@@ -26,6 +27,11 @@ from ..policy import Policy, named_modules, unwrap_model
 log = logging.getLogger(__name__)
 
 PARAM_DTYPES = ("fp32", "policy")
+
+
+def _dtype(fmt: str) -> torch.dtype | None:
+    """The low-precision dtype of a format name (None for fp32 / tf32)."""
+    return cast("dict[str, torch.dtype]", LOW_PRECISION_DTYPES).get(fmt)
 
 
 def _fsdp_module_class() -> Any:
@@ -66,7 +72,7 @@ def unit_conflicts(model: torch.nn.Module, policy: Policy) -> list[str]:
             unit_dtype = _unit_param_dtype(m)
         if unit_dtype not in (None, torch.float32) and any(True for _ in m.parameters(recurse=False)):
             fmt = policy.effective_format(prefix)
-            if LOW_PRECISION_DTYPES.get(fmt) != unit_dtype:
+            if _dtype(fmt) != unit_dtype:
                 out.append(f"{prefix or '(root)'} ({fmt}, gathered in {str(unit_dtype).replace('torch.', '')})")
         for name, child in m._modules.items():
             if child is not None:
@@ -94,7 +100,7 @@ def _own_unit_names(root: torch.nn.Module, policy: Policy) -> list[str]:
         if not name or not any(True for _ in m.parameters()):
             continue
         parent = name.rpartition(".")[0]
-        if LOW_PRECISION_DTYPES.get(policy.effective_format(name)) != LOW_PRECISION_DTYPES.get(
+        if _dtype(policy.effective_format(name)) != _dtype(
                 policy.effective_format(parent)):
             names.append(name)
     return names
@@ -135,9 +141,10 @@ def shard_fsdp2(model: torch.nn.Module, policy: Policy, *, units: Iterable[str] 
     if units is None:
         best = None
         for name, m in modules.items():
-            if isinstance(m, torch.nn.ModuleList) and len(m) and (best is None or len(m) > len(modules[best])):
+            if isinstance(m, torch.nn.ModuleList) and len(m) and (best is None or len(m) > len(modules[best])):  # type: ignore[arg-type]
                 best = name
-        chosen = [f"{best}.{i}" if best else str(i) for i in range(len(modules[best]))] if best is not None else []
+        chosen = ([f"{best}.{i}" if best else str(i) for i in range(len(modules[best]))]  # type: ignore[arg-type]
+                  if best is not None else [])
     else:
         chosen = list(units)
         missing = [n for n in chosen if n not in modules]
@@ -151,7 +158,7 @@ def shard_fsdp2(model: torch.nn.Module, policy: Policy, *, units: Iterable[str] 
     def mp(name: str) -> Any:
         if param_dtype == "fp32":
             return MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
-        return MixedPrecisionPolicy(param_dtype=LOW_PRECISION_DTYPES.get(policy.effective_format(name)),
+        return MixedPrecisionPolicy(param_dtype=_dtype(policy.effective_format(name)),
                                     reduce_dtype=torch.float32, cast_forward_inputs=False)
 
     for name in sorted(chosen, key=lambda n: -n.count(".")):
