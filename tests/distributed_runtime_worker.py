@@ -5,12 +5,14 @@ ONE rank only, and writes what the test compares across ranks.
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed_runtime_worker.py MODE OUT_DIR
 
 MODE: ``fsdp`` (precision_audit.shard_fsdp2, fp32 parameters), ``fsdp_policy`` (shard_fsdp2 with each unit's
-parameters in its format), ``ddp``, or ``refuse`` (fully_shard gathering fp16 for a policy that keeps a module in
+parameters in its format), ``ddp``, ``ddp_nosync`` (DDP inside ``no_sync()``: no gradient all-reduce carries rank
+1's overflow to rank 0, only the controller's agreement does; both ranks get the same samples), or ``refuse`` (fully_shard gathering fp16 for a policy that keeps a module in
 fp32: apply_policy must refuse it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -92,20 +94,23 @@ def main() -> None:
     if mode in ("fsdp", "fsdp_policy"):
         pa.shard_fsdp2(model, policy, param_dtype="policy" if mode == "fsdp_policy" else "fp32")
         run = model
-    else:
+    else:  # ddp; ddp_nosync: gradients never synchronised, so rank 1's overflow stays on rank 1
         run = nn.parallel.DistributedDataParallel(model)
     handle = pa.apply_policy(run, policy)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ctl = pa.controller(run, opt, policy, device="cpu", adaptive=True, promote_after=3)
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own samples
+    # each rank its own samples; under ddp_nosync the same ones, so that unsynchronised ranks still train alike
+    g = torch.Generator().manual_seed(100 + (0 if mode == "ddp_nosync" else rank))
+    sync = run.no_sync if mode == "ddp_nosync" else contextlib.nullcontext
     steps = []
     for step in range(1, STEPS + 1):
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         model.mid.inject = rank == BAD_RANK and step in INJECTED
         before = full_params(model)
-        with pa.autocast(policy, "cpu"):
-            loss = F.mse_loss(run(x).float(), y)
-        rec = ctl.step(loss)
+        with sync():
+            with pa.autocast(policy, "cpu"):
+                loss = F.mse_loss(run(x).float(), y)
+            rec = ctl.step(loss)
         after = full_params(model)
         steps.append({"step": step, "skipped": rec.skipped, "promoted": list(rec.promoted),
                       "sources": list(rec.sources), "nonfinite": list(rec.nonfinite_modules),

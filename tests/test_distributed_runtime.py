@@ -4,7 +4,9 @@ tests/distributed_runtime_worker.py trains an fp16 policy (loss scaling on, ``ou
 ``apply_policy`` + the adaptive controller for 8 steps, each rank on its own samples, and makes ``mid``'s output
 overflow on rank 1 ONLY at steps 3, 4 and 5. Every rank must skip exactly those steps (leaving the parameters
 bit-identical), back the loss scale off in step, end with finite parameters identical across ranks, promote
-``mid`` at step 5 on every rank, and save byte-identical policy files.
+``mid`` at step 5 on every rank, and save byte-identical policy files. Under FSDP2 and DDP the gradient reduction
+itself spreads rank 1's inf to rank 0's gradients; ``ddp_nosync`` (DDP's ``no_sync()``) keeps it on rank 1, so
+only the controller's all-reduced found-inf flag makes rank 0 skip.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _results(out: Path) -> list[dict]:
     return [json.loads((out / f"result.rank{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp", "fsdp_policy"])
+@pytest.mark.parametrize("mode", ["fsdp", "ddp", "fsdp_policy", "ddp_nosync"])
 def test_overflow_on_one_rank_skips_and_promotes_on_every_rank(tmp_path, mode):
     r = torchrun(WORKER, mode, str(tmp_path))
     assert r.returncode == 0, r.stderr[-4000:]
