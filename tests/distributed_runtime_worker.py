@@ -6,8 +6,8 @@ ONE rank only, and writes what the test compares across ranks.
 
 MODE: ``fsdp`` (precision_audit.shard_fsdp2, fp32 parameters), ``fsdp_policy`` (shard_fsdp2 with each unit's
 parameters in its format), ``ddp``, ``ddp_nosync`` (DDP inside ``no_sync()``: no gradient all-reduce carries rank
-1's overflow to rank 0, only the controller's agreement does; both ranks get the same samples), or ``refuse`` (fully_shard gathering fp16 for a policy that keeps a module in
-fp32: apply_policy must refuse it).
+1's overflow to rank 0, only the controller's agreement does; both ranks get the same samples), or ``refuse``
+(fully_shard gathering fp16 for a policy that keeps a module in fp32: apply_policy must refuse it).
 """
 
 from __future__ import annotations
