@@ -25,7 +25,7 @@ _LAZY = {"audit": ".audit", "AuditOptions": ".audit", "run_audit": ".audit", "Au
          "Format": ".formats", "load_policy": ".policy.io", "Policy": ".policy.schema",
          # The runtime's functions (docs/policy.md, "The runtime"); the Policy record itself is data only.
          "apply_policy": ".runtime.api", "autocast": ".runtime.api", "grad_scaler": ".runtime.api",
-         "controller": ".runtime.api"}
+         "controller": ".runtime.api", "shard_fsdp2": ".runtime.api"}
 
 
 def __getattr__(name: str):
@@ -38,4 +38,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["AuditError", "AuditOptions", "AuditResult", "Format", "Policy", "apply_policy", "audit", "autocast",
-           "controller", "grad_scaler", "load_policy", "run_audit", "__version__"]
+           "controller", "grad_scaler", "load_policy", "run_audit", "shard_fsdp2", "__version__"]

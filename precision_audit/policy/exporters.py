@@ -363,8 +363,11 @@ def _fsdp(policy: Policy, policy_path: str) -> Export:
     code += ["}", "", "", *_FSDP_HELPERS, "", ""]
     uses_fp16 = whole == "fp16" or any(f == "fp16" for _, f in module_formats)
     if uses_fp16 or policy.loss_scaling.enabled:
-        code += ["# Loss scaling for fp16, as the policy says (FSDP1; with FSDP2 use torch.amp.GradScaler likewise):",
-                 f'scaler = ShardedGradScaler("cuda", {_scaler_args(policy)})']
+        code += ["# Loss scaling for fp16, as the policy says, for FSDP1 and FSDP2 alike: each rank holds a shard of",
+                 "# the gradients, and ShardedGradScaler all-reduces the found-inf flag so that every rank skips the",
+                 "# same steps.",
+                 'scaler = ShardedGradScaler("cuda" if torch.cuda.is_available() else "cpu",',
+                 f'                           {_scaler_args(policy)})']
     else:
         code += ["scaler = None  # no fp16 in this policy: no loss scaling"]
     text = "\n".join(_header(policy, plan, "FSDP", policy_path, notes) + [""] + code) + "\n"

@@ -21,9 +21,10 @@ import torch
 from ..policy import Policy
 from .apply import PolicyAutocast, apply_policy, make_grad_scaler
 from .controller import PrecisionController
+from .fsdp import shard_fsdp2
 from .monitor import StabilityMonitor
 
-__all__ = ["apply_policy", "autocast", "controller", "grad_scaler"]
+__all__ = ["apply_policy", "autocast", "controller", "grad_scaler", "shard_fsdp2"]
 
 
 def autocast(policy: Policy, device_type: str = "cuda", *, enabled: bool = True) -> PolicyAutocast:

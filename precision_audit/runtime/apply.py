@@ -209,8 +209,27 @@ class PolicyHandle:
         if root is None:
             raise RuntimeError("the model this policy was applied to no longer exists")
         _check_runtime_formats(policy)
+        from .fsdp import unit_conflicts
+
+        runtime = policy
+        if unit_conflicts(root, policy):
+            # FSDP2 gathers each unit's parameters in the dtype fixed when it was sharded: a change that needs
+            # another one waits for the next sharding (docs/distributed.md, "The runtime across ranks")
+            runtime, held = self._policy, []
+            for name, o in policy.modules.items():
+                if self._policy.modules.get(name) == o:
+                    continue
+                trial = runtime.with_override(name, o.format, o.reason)
+                if unit_conflicts(root, trial):
+                    held.append(f"{name or '(root)'} -> {o.format}")
+                else:
+                    runtime = trial
+            log.warning("under FSDP2 these changes cannot take effect now, since their FSDP unit gathers the "
+                        "parameters in the dtype set when the model was sharded: %s; the updated policy holds "
+                        "them, and takes full effect once the model is sharded again with "
+                        "precision_audit.shard_fsdp2(model, policy)", ", ".join(held))
         self._uninstall()
-        self._policy = policy
+        self._policy = runtime
         self._install(root)
 
     def __enter__(self) -> "PolicyHandle":
@@ -237,8 +256,11 @@ def apply_policy(model: torch.nn.Module, policy: Policy, *, device_type: str | N
     """Put every module the policy overrides in its format; returns a :class:`PolicyHandle`.
 
     ``model`` may be wrapped by torch.compile, DDP or DataParallel: the policy's names are those of the model
-    inside. ``device_type`` ("cuda", "cpu", ...) fixes the autocast device; by default each call uses the
-    device of its first tensor input. ``strict=False`` turns a fingerprint mismatch into a logged warning
+    inside. A model sharded with FSDP2's ``fully_shard`` is refused when a unit would gather a module's parameters
+    in another low-precision dtype than the policy's format for it (shard it with
+    :func:`precision_audit.shard_fsdp2`; docs/distributed.md, "The runtime across ranks").
+    ``device_type`` ("cuda", "cpu", ...) fixes the autocast device; by default each call uses the device of its
+    first tensor input. ``strict=False`` turns a fingerprint mismatch into a logged warning
     (override names must still exist).
 
     Example::
@@ -263,6 +285,10 @@ def apply_policy(model: torch.nn.Module, policy: Policy, *, device_type: str | N
             log.warning("applying the policy anyway (strict=False): %s", e.problem)
         policy.check_override_names(model)
     _check_runtime_formats(policy)
+    from .fsdp import check_units, is_fsdp2
+
+    if is_fsdp2(root):
+        check_units(root, policy)
     if root in _ACTIVE:
         raise PolicyError("a policy is already applied to this model",
                           hint="call .remove() on the handle apply_policy returned before applying another")

@@ -26,7 +26,10 @@ in the scaled backward (finite forward, scale > 1) is routine and logged at INFO
 an inf on one rank usually reaches all, but not always (``no_sync`` accumulation, parameters outside DDP,
 hand-written gradient sync). Under an initialised process group with more than one rank the controller
 all-reduces (MAX) the flags before ``scaler.step``, so every rank skips the same steps and their scales stay
-equal; it all-reduces the findings too, so every rank names (and promotes) the same module.
+equal; it all-reduces the findings too (the non-finite modules, the source), and takes the source's description
+from the lowest rank that saw it, so every rank names and promotes the same module with the same reason and saves
+the same policy. Under FSDP2 a rank's gradients are DTensor shards: the scan reads each rank's shard, the norm is
+the global one (docs/distributed.md, "The runtime across ranks").
 
 **Source attribution** (every mode). On a step with non-finite gradients the *source* is the first module, in
 the order the calls finished, whose output was non-finite although its inputs were finite (an activation
@@ -70,7 +73,7 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -233,8 +236,9 @@ class _SourceProbe:
         self.clear()
 
     def evaluate(self, nonfinite_params: set[str], backward_counts: bool, device: torch.device,
-                 reduce: Any) -> Attribution:
-        """Where this step's non-finite values started; ``reduce`` all-reduces a tensor (MAX) across ranks.
+                 reduce: Any, agree_text: Any = None) -> Attribution:
+        """Where this step's non-finite values started; ``reduce`` all-reduces a tensor (MAX) across ranks,
+        ``agree_text`` (distributed only) turns each rank's text (or None) into the lowest rank's non-None one.
 
         One device sync for the recorded ranges, one all-reduce: per module, minus the position of its first
         call that was a forward source (MAX of negatives = the earliest), the backward-source flags, and
@@ -286,12 +290,25 @@ class _SourceProbe:
         detail = ""
         if best is not None and agreed[best] > none:
             source = self.names[best]
-            detail = local_detail.get(best, "its output went non-finite from finite inputs (on another rank)")
+            detail = local_detail.get(best)
+            if agree_text is not None:  # the lowest rank that saw it says what it saw, so promotions read the same
+                detail = agree_text(detail)
+            if detail is None:
+                detail = "its output went non-finite from finite inputs (on another rank)"
         # A non-finite forward explains the gradients; backward sources only count after a finite forward
         # (otherwise the module after the source, whose output gradient is still finite, would be blamed).
         bwd = () if forward_nonfinite else tuple(
             _innermost({self.names[i] for i in range(n) if agreed[n + i]}))
         return Attribution(source, detail, forward_nonfinite, bwd)
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters and gradients); any other tensor itself."""
+    return cast(torch.Tensor, t.to_local()) if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _same(x: float, y: float) -> bool:
@@ -414,7 +431,7 @@ class _ReplayProbe:
             return [r for t in _floating_tensors(out, []) if (r := _range(t)) is not None]
 
     def evaluate(self, nonfinite_params: set[str], backward_counts: bool, device: torch.device,
-                 reduce: Any) -> Attribution:
+                 reduce: Any, agree_text: Any = None) -> Attribution:
         """Replay the step's root calls with per-call records, then decide as :meth:`_SourceProbe.evaluate`."""
         why = ""
         if self.dropped:
@@ -452,7 +469,8 @@ class _ReplayProbe:
             probe.remove_hooks()
         if why:
             probe.clear()
-        a = probe.evaluate(nonfinite_params, backward_counts, device, reduce)  # collectives match on every rank
+        a = probe.evaluate(nonfinite_params, backward_counts, device, reduce,
+                           agree_text)  # collectives match on every rank
         probe.clear()
         if why:
             return Attribution(None, "", a.forward_nonfinite, (), unreproduced=why)
@@ -547,8 +565,10 @@ class PrecisionController:
         # backward) and under torch.compile (the records join the compiled graph), with per-call records always
         # on (module docstring, "Source attribution"; docs/performance.md).
         self._probe: _SourceProbe | _ReplayProbe | None = None
+        # FSDP2: a replayed forward would all-gather (collectives every rank must join), so per-call records
+        self._sharded = any(_is_dtensor(p) for p in self._params)
         if attribute:
-            if adaptive or type(model).__name__ == "OptimizedModule":
+            if adaptive or type(model).__name__ == "OptimizedModule" or self._sharded:
                 self._probe = _SourceProbe(modules, backward=adaptive)
             else:
                 self._probe = _ReplayProbe(self.root, modules)
@@ -601,7 +621,10 @@ class PrecisionController:
             scaler.unscale_(opt)
             dev = loss.device
             grads = [p.grad for p in self._params if p.grad is not None]
-            norm = (torch.nn.utils.get_total_norm(grads).to(dev) if grads else torch.zeros((), device=dev)).float()
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=dev)
+            if _is_dtensor(norm):  # FSDP2: the norm of the shards, reduced across ranks (a collective)
+                norm = norm.full_tensor()  # type: ignore[attr-defined]
+            norm = norm.to(dev).float()
             found_infs = self._found_infs()
             if not found_infs:
                 found = torch.zeros((), device=dev)
@@ -620,7 +643,14 @@ class PrecisionController:
                 for v in found_infs:  # every rank now skips (and backs off) together
                     v.copy_(flags[0].to(v.device).reshape(v.shape))
             if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, norm)
+                if self._sharded:
+                    # FSDP2's gradients are DTensor shards: scale each rank's shard by the global norm's factor
+                    coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+                    for p in self._params:
+                        if p.grad is not None:
+                            _local(p.grad).mul_(coef.to(_local(p.grad).device, _local(p.grad).dtype))
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(self._params, self.max_grad_norm, norm)
             scale_t = self._scale_tensor(dev)
             # one device sync for everything the monitor needs
             loss_v, norm_v, found_v, bad_norm, scale_v = torch.cat(
@@ -636,7 +666,8 @@ class PrecisionController:
                 if self._probe is not None:
                     backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
                     attribution = self._probe.evaluate({n for n in nonfinite if n != OUTSIDE_THE_MODEL},
-                                                       backward_counts, dev, self._reduce_max)
+                                                       backward_counts, dev, self._reduce_max,
+                                                       self._agree_text if distributed else None)
                 if skip and found_v == 0:
                     # non-finite where the GradScaler does not look (parameters outside the optimizer): make it
                     # skip and back off as it does for its own finds
@@ -697,17 +728,28 @@ class PrecisionController:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return t
 
+    def _agree_text(self, text: str | None) -> str | None:
+        """The lowest rank's non-None ``text`` (every rank calls this at the same point; bad steps only)."""
+        import torch.distributed as dist
+
+        texts: list[str | None] = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(texts, text, group=self.process_group)
+        return next((t for t in texts if t is not None), None)
+
     def _scan_modules(self) -> tuple[str, ...]:
+        """The modules whose own parameter gradients hold inf/NaN on any rank (the same tuple on every rank: a
+        rank of FSDP2 sees only its shards, and under DDP a rank may hold a gradient others do not)."""
         checks = []
-        for name, params in self._module_params:
-            gs = [p.grad for p in params if p.grad is not None]
-            if gs:
-                checks.append((name, torch.stack([(~torch.isfinite(g).all()).to(gs[0].device) for g in gs]).any()))
+        for _, params in self._module_params:
+            gs = [_local(p.grad) for p in params if p.grad is not None]
+            gs = [g for g in gs if g.numel()]
+            checks.append(torch.stack([(~torch.isfinite(g).all()) for g in gs]).any().float() if gs else None)
         if not checks:
             return ()
-        dev = checks[0][1].device
-        vals = torch.stack([c.to(dev) for _, c in checks]).tolist()
-        return tuple(name for (name, _), v in zip(checks, vals) if v)
+        dev = next((c.device for c in checks if c is not None), torch.device("cpu"))
+        flags = torch.stack([c.to(dev) if c is not None else torch.zeros((), device=dev) for c in checks])
+        vals = self._reduce_max(flags).tolist()
+        return tuple(name for (name, _), v in zip(self._module_params, vals) if v)
 
     def _report_skip(self, loss_v: float, scale: float | None, nonfinite: tuple[str, ...],
                       a: Attribution | None) -> None:
