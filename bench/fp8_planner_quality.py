@@ -113,7 +113,7 @@ def main() -> None:
             _, rec, rel = min(options)
             single[L.name] = (rec, rel)
     chosen, acc = [], 0.0
-    for name, (rec, rel) in sorted(single.items(), key=lambda kv: kv[1][1]):
+    for name, (_rec, rel) in sorted(single.items(), key=lambda kv: kv[1][1]):
         if acc + rel <= b:
             chosen.append(name)
             acc += rel

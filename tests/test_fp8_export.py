@@ -5,9 +5,9 @@ either output only escaped."""
 from __future__ import annotations
 
 import ast
-import tomllib
 
 import pytest
+import tomllib
 import torch
 import torch.nn as nn
 

@@ -50,7 +50,8 @@ class RangeFinding:
     exponent_histogram: dict[int, int]
 
     @classmethod
-    def of(cls, h: MagnitudeHistogram, formats: tuple[Format, ...] = RANGE_FORMATS, scale_exponent: int = 0) -> "RangeFinding":
+    def of(cls, h: MagnitudeHistogram, formats: tuple[Format, ...] = RANGE_FORMATS,
+           scale_exponent: int = 0) -> RangeFinding:
         return cls(
             amax=h.amax,
             elements=h.total,

@@ -14,8 +14,7 @@ from ..formats import AUTOCAST_FORMATS, Format
 from ..gpus import GpuSpec
 from ..record import FormatMemory, Memory
 from .alignment import REQUIRED_MULTIPLE, batch_set_dims, check_dims, padded, vocabulary_advice
-from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time,
-                   layer_cost)
+from .cost import ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time, layer_cost
 
 # Formats the cost model estimates when the target supports them (TF32 needs no numerics run to be timed).
 ESTIMATED_FORMATS = AUTOCAST_FORMATS

@@ -8,8 +8,8 @@ Two pieces, used together:
   are removed). The registrations live in a ``torch.library.Library`` that is destroyed on exit, which
   restores torch's own CPU kernels.
 - :class:`LowPrecisionGemmMode` (capture/gemm_mode.py), a ``TorchDispatchMode`` below autograd: GEMM-family
-  ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16 are computed
-  in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
+  ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16
+  are computed in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
   accumulation, rounded output) and ~100x faster than CPU-native low-precision GEMMs. Other ops run
   natively in their real dtype, so elementwise rounding is exact; an op with no Half/BFloat16 CPU kernel
   is computed in fp32 and rounded.
@@ -35,8 +35,7 @@ from torch.utils._pytree import tree_map
 
 from . import compiled, cuda_kernels
 from .autocast_policy import CUDA_POLICY, CastPolicy, check_registrations
-from .gemm_mode import (_CONV_OPS, LOW_DTYPES, LowPrecisionGemmMode, _add_bias, _bound, _flat_tensors,
-                        _without_bias)
+from .gemm_mode import _CONV_OPS, LOW_DTYPES, LowPrecisionGemmMode, _add_bias, _bound, _flat_tensors, _without_bias
 
 log = logging.getLogger(__name__)
 
@@ -534,7 +533,7 @@ class CudaAutocastPolicy:
                 split[policy].append(name)
         return split
 
-    def __enter__(self) -> "CudaAutocastPolicy":
+    def __enter__(self) -> CudaAutocastPolicy:
         global _COMPILED_ACTIVE
         if self.unknown_ops:
             log.warning("CUDA autocast registers ops this emulation's table lacks: %s", ", ".join(self.unknown_ops))

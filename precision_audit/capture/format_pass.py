@@ -22,20 +22,15 @@ import torch
 
 from ..distributed.tensors import owned_part
 from ..formats import Format
-from .gemm_mode import is_missing_low_precision_kernel
 from .failures import RunFailure
+from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .session_state import SessionState
 from .stats import ErrorStats
 
 
-class FormatPasses:
+class FormatPasses(SessionState):
     """The low-precision passes of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
-
-    # state of the session this part reads and writes (see CaptureSession.__init__)
-    config: Any
-    model: torch.nn.Module
-    layers: dict[int, LayerRecord]
-    runs: dict[Format, RunRecord]
 
     def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
         """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""

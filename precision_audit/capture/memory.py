@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import emulation
 from ..distributed.tensors import local_tensor
+from . import emulation
 
 
 @dataclass
@@ -73,7 +73,7 @@ class SavedTensorCounter:
             self.tally.by_module[mid] = self.tally.by_module.get(mid, 0) + nbytes
         return t
 
-    def __enter__(self) -> "SavedTensorCounter":
+    def __enter__(self) -> SavedTensorCounter:
         emulation.start_rounding_registry()
         self._counting = True
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -53,7 +53,7 @@ def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
 class OpTracker(TorchDispatchMode):
     """Counts compute ops per innermost module during the reference forward (the session's call stack)."""
 
-    def __init__(self, session: "CaptureSession") -> None:
+    def __init__(self, session: CaptureSession) -> None:
         super().__init__()
         self.session = session
         self.param_ptrs: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in session.model.parameters()}

@@ -154,7 +154,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._timer = StepTimer(self)
 
     # -- context -------------------------------------------------------------------------------------
-    def __enter__(self) -> "CaptureSession":
+    def __enter__(self) -> CaptureSession:
         es = self._exit
         try:
             # every GPU's generator is restored (manual_seed_all in _reset reseeds them all), not only device

@@ -123,7 +123,7 @@ class DistributedCaptureSession(CaptureSession):
             untracked.session = self
 
     # -- context: noise.py's error ratios over every rank --------------------------------------------------
-    def __enter__(self) -> "DistributedCaptureSession":
+    def __enter__(self) -> DistributedCaptureSession:
         # before the session's own hooks: they must see the global loss the model returns
         self._globalizer = self.model.register_forward_hook(
             lambda m, args, out: _globalize_scalars(out, self._weight, self.group))

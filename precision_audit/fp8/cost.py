@@ -38,8 +38,8 @@ ASSUMPTIONS = (
     "three GEMMs per step (output, grad_input, grad_weight), each at the recipe's dense peak x tile-and-wave "
     "efficiency, or at memory bandwidth if slower",
     "amax and cast kernels as bytes moved at the target's bandwidth (fp8/cost.py CAST_BYTES), inputs in BF16",
-    f"each extra amax/cast kernel costs at least {KERNEL_LAUNCH_S * 1e6:g} us (heuristic: launch and tail); no overlap; "
-    "the BF16 baseline has no casts",
+    f"each extra amax/cast kernel costs at least {KERNEL_LAUNCH_S * 1e6:g} us (heuristic: launch and tail); "
+    "no overlap; the BF16 baseline has no casts",
     "FP8 GEMMs need K and N multiples of 16 (torch._scaled_mm); MXFP8/NVFP4 need K a multiple of the block",
 )
 
@@ -95,7 +95,8 @@ def layer_cost(tokens: int, in_features: int, out_features: int, recipe: str, ta
     bf16_t = sum(_time(g, bf16, 2, target) for g in gemms.values()) if bf16 else float("nan")
     if tuple(target.compute_capability) < r.min_cc:
         return LayerCost(recipe, bf16_t, None, None, False,
-                         f"not estimated: {target.name} (CC {target.compute_capability[0]}.{target.compute_capability[1]})"
+                         f"not estimated: {target.name} "
+                         f"(CC {target.compute_capability[0]}.{target.compute_capability[1]})"
                          f" has no Tensor Cores for {recipe} (CC {r.min_cc[0]}.{r.min_cc[1]} or later)")
     peak_name = "fp8_e4m3"
     elem_bytes = 1.0

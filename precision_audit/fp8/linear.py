@@ -104,7 +104,7 @@ class Fp8State:
     def new_call(self) -> None:
         self._cache.clear()
 
-    def copy(self) -> "Fp8State":
+    def copy(self) -> Fp8State:
         return Fp8State(self.recipe, copy.deepcopy(self.scalers))
 
 

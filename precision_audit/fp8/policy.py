@@ -31,7 +31,7 @@ class Fp8Plan:
         return {"modules": {n: {"recipe": m.recipe, "reason": m.reason} for n, m in sorted(self.modules.items())}}
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Fp8Plan":
+    def from_dict(cls, d: Any) -> Fp8Plan:
         """Validate the ``fp8`` section; a malformed one raises :class:`PolicyError` naming the field."""
         if not isinstance(d, dict):
             raise PolicyError("policy field 'fp8' must be an object", found=type(d).__name__)
@@ -54,7 +54,7 @@ class Fp8Plan:
         return cls(out)
 
     @classmethod
-    def from_policy(cls, policy: Any) -> "Fp8Plan":
+    def from_policy(cls, policy: Any) -> Fp8Plan:
         """The FP8 plan of a loaded :class:`~precision_audit.policy.schema.Policy` (empty when it has none)."""
         extra = getattr(policy, "extra", None) or {}
         return cls.from_dict(extra[KEY]) if KEY in extra else cls()

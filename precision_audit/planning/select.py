@@ -199,12 +199,13 @@ def _verify_and_repair(analysis, mc: PlanCandidate, result, verify, make_policy,
 
     def pin(items: list[tuple[str, Format]]) -> None:
         for n, f in items:
-            for child, lp in list(plan.layers.items()):
+            for child in list(plan.layers):
                 if child.startswith(n + ".") and child not in plan.overrides:
                     plan.layers[child] = LayerPlan(Format.FP32, "inside a module planned as fp32")
             reason = (f"fp32 instead of {f}: the verification pass with the plan applied measured loss change "
                       f"{_fig(mc.loss_rel_change)} and output error {_fig(mc.output_rel_error)} against the budget "
-                      f"{budget.max_loss_rel_change:.2e} / {budget.max_output_rel_error:.2e}; it was the module left in "
+                      f"{budget.max_loss_rel_change:.2e} / {budget.max_output_rel_error:.2e}; it was the module left "
+                      f"in "
                       f"{f} with the largest estimated loss change ({impact_of(n, f) / ref:.2e})")
             plan.overrides[n] = LayerPlan(Format.FP32, reason)
             plan.layers[n] = plan.overrides[n]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 DEFAULT_INIT_SCALE = 65536.0
 
 
-def build_policy(model: torch.nn.Module, fingerprint: str, n_modules: int, target: GpuSpec, plan: "Plan",
+def build_policy(model: torch.nn.Module, fingerprint: str, n_modules: int, target: GpuSpec, plan: Plan,
                  recommended_scale: float | None) -> Policy:
     """The policy of ``plan`` for ``model`` on ``target``.
 

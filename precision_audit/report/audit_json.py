@@ -16,11 +16,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import enum
 import functools
+import json
 import math
+import sys
 import types
 import typing
 from pathlib import Path
@@ -82,13 +82,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def as_document(audit: "R.AuditRecord | Any") -> Any:
+def as_document(audit: R.AuditRecord | Any) -> Any:
     """audit.json's content for the readers that still take it as a mapping (report/html.py, notebook.py,
     tensorboard.py): a record is written out, a mapping (a saved audit.json, already validated) passed on."""
     return to_json(audit) if isinstance(audit, R.AuditRecord) else audit
 
 
-def as_record(audit: "R.AuditRecord | Any") -> R.AuditRecord:
+def as_record(audit: R.AuditRecord | Any) -> R.AuditRecord:
     """The record of ``audit``: a record as is, audit.json's content (already validated) read into one."""
     return audit if isinstance(audit, R.AuditRecord) else read(R.AuditRecord, audit)
 
@@ -133,7 +133,7 @@ def read(cls: type[T], data: Any) -> T:
                absent=frozenset(absent))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -240,12 +240,13 @@ def _read_json(path: Path, what: str) -> Any:
         raise ReportInputError(f"{what} {path} not found",
                                hint="pass the audit.json an audit wrote into its --out folder") from None
     except OSError as e:
-        raise ReportInputError(f"{what} {path} cannot be read", found=f"{type(e).__name__}: {e.strerror or e}") from None
+        raise ReportInputError(f"{what} {path} cannot be read",
+                               found=f"{type(e).__name__}: {e.strerror or e}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ReportInputError(f"{what} {path} is not UTF-8 text", found=f"byte {e.start}: {raw[e.start:e.start + 1]!r}",
-                               hint=_FIX) from None
+        raise ReportInputError(f"{what} {path} is not UTF-8 text",
+                               found=f"byte {e.start}: {raw[e.start:e.start + 1]!r}", hint=_FIX) from None
     try:
         return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float,
                           object_pairs_hook=_no_duplicates)

@@ -507,7 +507,8 @@ def loss_curves(curves: dict[str, list[float | None]], chart_id: str = "chart-ve
         if seg:
             segs.append(seg)
         for sg in segs:
-            out.append(f'<polyline class="series {cls}" points="{" ".join(sg)}"><title>{escape(name)}</title></polyline>')
+            out.append(f'<polyline class="series {cls}" points="{" ".join(sg)}">'
+                       f'<title>{escape(name)}</title></polyline>')
     out += _legend(fr, [(f"series {series_class(k)}", k) for k in curves])
     out.append("</svg>")
     return Markup("\n".join(out))

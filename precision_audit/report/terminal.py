@@ -20,8 +20,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, TextIO
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -110,7 +111,7 @@ class Progress:
         with self._lock:
             self._finish_stage()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

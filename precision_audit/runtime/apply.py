@@ -25,17 +25,18 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import PolicyError
 from ..formats import LOW_PRECISION_DTYPES
+from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 from ..tf32_switches import Tf32State, set_tf32, tf32_enabled
 from ..tf32_switches import restore as tf32_restore
 from ..tf32_switches import snapshot as tf32_snapshot
-from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ _UPCAST = (torch.float16, torch.bfloat16)
 
 # The handle applied to each (unwrapped) model, so that a second apply is refused and the adaptive
 # controller can find and update it.
-_ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle]" = weakref.WeakKeyDictionary()
+_ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle] = weakref.WeakKeyDictionary()
 
 
-def active_handle(model: torch.nn.Module) -> "PolicyHandle | None":
+def active_handle(model: torch.nn.Module) -> PolicyHandle | None:
     """The handle of the policy currently applied to ``model`` (wrappers looked through), or None."""
     return _ACTIVE.get(unwrap_model(model))
 
@@ -213,7 +214,7 @@ class PolicyHandle:
         self._policy = policy
         self._install(root)
 
-    def __enter__(self) -> "PolicyHandle":
+    def __enter__(self) -> PolicyHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -309,7 +310,7 @@ class PolicyAutocast:
             self.tf32 = (policy.tf32_matmul, policy.tf32_cudnn)
         self._stack: list[tuple[Tf32State | None, torch.autocast]] = []
 
-    def __enter__(self) -> "PolicyAutocast":
+    def __enter__(self) -> PolicyAutocast:
         saved = None
         if self.enabled:
             saved = tf32_snapshot()

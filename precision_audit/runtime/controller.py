@@ -63,7 +63,7 @@ import torch
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import LOW_PRECISION_DTYPES, _ACTIVE, apply_policy, make_grad_scaler
+from .apply import _ACTIVE, LOW_PRECISION_DTYPES, apply_policy, make_grad_scaler
 from .monitor import StabilityMonitor, StepRecord
 
 log = logging.getLogger(__name__)
