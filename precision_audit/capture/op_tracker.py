@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed.tensors import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
 from ..errors import ModelRunError
 from .ops import record_op
+from .shards import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
 
 if TYPE_CHECKING:
     from .session import CaptureSession
