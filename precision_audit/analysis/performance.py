@@ -73,7 +73,7 @@ def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...
     out = []
     for g, calls in rec.ops.gemms.values():
         by_batch = batch_set_dims(g)
-        dims_out = []
+        dims_out: list[dict[str, Any]] = []
         for fmt in low:
             for d in check_dims(g, fmt, efficient_tier):
                 if d.aligned and d.efficient:

@@ -170,7 +170,7 @@ def start_rounding_registry() -> dict[int, _Rounded]:
     global _ROUNDED
     _ROUNDED = {}
     _set_compiled_recording(True)
-    return _ROUNDED  # type: ignore[return-value]
+    return _ROUNDED
 
 
 def stop_rounding_registry() -> None:
@@ -249,14 +249,14 @@ def _fp32_compute_kernel(op: torch._ops.OpOverload, name: str, native):
                 len(args[1]) > 2 or _einsum_sums_first(args[0], len(args[1]))):
             return native(*args, **kwargs)  # pairwise GEMMs or sums with rounded intermediates
         dtype = torch.get_autocast_dtype("cpu")
-        args = [_round_up(a, dtype) for a in args]
+        rounded = [_round_up(a, dtype) for a in args]
         if kwargs:
             kwargs = {k: _round_up(v, dtype) for k, v in kwargs.items()}
         bias = None
         if separate_bias:
-            args, kwargs, bias = _without_bias(op, name, args, kwargs)
+            rounded, kwargs, bias = _without_bias(op, name, rounded, kwargs)
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-            out = _round_out(op(*args, **kwargs), dtype)
+            out = _round_out(op(*rounded, **kwargs), dtype)
             if bias is not None:
                 out = _add_bias(out, bias, dtype, conv=name != "linear")
             return out

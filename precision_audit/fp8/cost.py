@@ -55,7 +55,7 @@ class LayerCost:
 
     @property
     def time_s(self) -> float | None:
-        return None if self.gemm_time_s is None else self.gemm_time_s + self.cast_time_s
+        return None if self.gemm_time_s is None or self.cast_time_s is None else self.gemm_time_s + self.cast_time_s
 
     @property
     def speedup(self) -> float | None:
@@ -118,7 +118,10 @@ def layer_cost(tokens: int, in_features: int, out_features: int, recipe: str, ta
     t = 0.0
     for name, g in gemms.items():
         hp = r.cast(name, "input" if name != "grad_input" else "grad_output").kind == "hp"
-        t += _time(g, bf16, 2, target) if hp else _time(g, peak, elem_bytes, target)
+        if hp:  # a GEMM the recipe keeps in BF16 (not estimated without a BF16/FP16 peak, as bf16_t)
+            t += _time(g, bf16, 2, target) if bf16 else float("nan")
+        else:
+            t += _time(g, peak, elem_bytes, target)
     elements = tokens * in_features + in_features * out_features + tokens * out_features
     cast_t = max(CAST_BYTES[recipe] * elements / (target.bandwidth_gbps * 1e9),
                  EXTRA_KERNELS[recipe] * KERNEL_LAUNCH_S)

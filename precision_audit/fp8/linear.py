@@ -51,13 +51,21 @@ class OperandStats:
 
 
 def _effective_scales(q: Q.Quantized, cast: Cast) -> torch.Tensor:
-    if cast.kind == "mx":
-        e = q.block_scale.view(torch.uint8).float()
-        return torch.exp2(Q.E8M0_BIAS - e[e != 255])
-    if cast.kind == "nvfp4":
+    if cast.kind in ("mx", "nvfp4"):
+        assert q.block_scale is not None  # block formats store their block scales (fp8/quant.py)
+        if cast.kind == "mx":
+            e = q.block_scale.view(torch.uint8).float()
+            return torch.exp2(Q.E8M0_BIAS - e[e != 255])
         outer = q.scale if q.scale is not None else torch.tensor(1.0)
         return 1.0 / (q.block_scale.float().flatten() * outer)
+    assert q.scale is not None  # per-tensor and per-row casts store their scales (fp8/quant.py)
     return q.scale.flatten().float()
+
+
+def _dtype_of(cast: Cast) -> torch.dtype:
+    if cast.dtype is None:
+        raise ValueError(f"a {cast.kind!r} cast names no dtype")
+    return cast.dtype
 
 
 @dataclass
@@ -82,18 +90,20 @@ class Fp8State:
         cast = self.recipe.cast(gemm, role)
         if cast.kind == "hp":
             return t
+        q: Q.Quantized
         if cast.kind == "tensorwise":
-            q = Q.quantize_tensorwise(t, cast.dtype, cast.pow2)
+            q = Q.quantize_tensorwise(t, _dtype_of(cast), cast.pow2)
         elif cast.kind == "axiswise":
-            q = Q.quantize_axiswise(t, cast.dtype, dim, cast.pow2)
+            q = Q.quantize_axiswise(t, _dtype_of(cast), dim, cast.pow2)
         elif cast.kind == "delayed":
             # one quantisation per tensor and call, used by both GEMMs it feeds (TE keeps the FP8 copy)
             key = (role, t.data_ptr(), tuple(t.shape))
-            q = self._cache.get(key)
-            if q is None:
-                q = self._cache[key] = self.scaler(role, cast.dtype).quantize(t)
+            cached = self._cache.get(key)
+            if cached is None:
+                cached = self._cache[key] = self.scaler(role, _dtype_of(cast)).quantize(t)
+            q = cached
         elif cast.kind == "mx":
-            q = Q.quantize_mx(t, cast.dtype, self.recipe.block, dim)
+            q = Q.quantize_mx(t, _dtype_of(cast), self.recipe.block, dim)
         elif cast.kind == "nvfp4":
             q = Q.quantize_nvfp4(t, dim)
         else:
@@ -110,7 +120,7 @@ class Fp8State:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, state: Fp8State):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, state: Fp8State):
         state.new_call()
         x2 = x.reshape(-1, x.shape[-1]).float()
         w = weight.float()
@@ -125,7 +135,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out):
         x2, w = ctx.saved_tensors
         s: Fp8State = ctx.state
         go = grad_out.reshape(-1, grad_out.shape[-1]).float()
@@ -159,11 +169,11 @@ def patched(modules: dict[torch.nn.Linear, Fp8State]) -> Iterator[None]:
             m.forward = fwd  # type: ignore[method-assign]
         yield
     finally:
-        for m, old in saved:
+        for mod, old in saved:
             if old is _MISSING:
-                m.__dict__.pop("forward", None)
+                mod.__dict__.pop("forward", None)
             else:
-                m.__dict__["forward"] = old
+                mod.__dict__["forward"] = old
 
 
 _MISSING = object()

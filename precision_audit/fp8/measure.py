@@ -183,6 +183,7 @@ def _measure(model, forward, loss_of, names, state, seed, history_steps) -> Fp8R
             for role, dtype in (("input", recipe.cast("output", "input").dtype),
                                 ("weight", recipe.cast("output", "weight").dtype),
                                 ("grad_output", recipe.cast("grad_input", "grad_output").dtype)):
+                assert dtype is not None  # a delayed cast names its FP8 dtype (fp8/recipes.py)
                 sc = st.scaler(role, dtype)
                 for a in histories.get(m, {}).get(role, []):
                     sc.observe(a)
@@ -229,6 +230,7 @@ def _local(m: torch.nn.Linear, c: _Call, st: Fp8State, res: RecipeLayerResult) -
     x2 = c.x.float().reshape(-1, c.x.shape[-1])
     ref_gx = (go @ w).reshape(c.x.shape)
     ref_gw = go.t() @ x2
+    assert x.grad is not None and wq.grad is not None  # y.backward reached both leaves
     res.local.setdefault("grad_input", ErrorStats()).update(ref_gx, x.grad)
     res.local.setdefault("grad_weight", ErrorStats()).update(ref_gw, wq.grad)
     d = torch.where(torch.isfinite(c.y), y.detach() - c.y, 0.0)

@@ -59,7 +59,10 @@ class Fp8PlanResult:
                 return None
             base = next(iter(c.costs.values())).bf16_time_s
             bf16 += base
-            planned += c.costs[c.recipe].time_s if c.recipe else base
+            t = c.costs[c.recipe].time_s if c.recipe else base
+            if t is None:  # an FP8 time not estimated: no speed-up figure
+                return None
+            planned += t
         return bf16 / planned if planned else None
 
     def to_dict(self) -> dict:
@@ -129,17 +132,18 @@ def plan_fp8(result: Fp8Result, target: GpuSpec, *, max_local_rel_error: float, 
     while plan.modules:
         loss, oerr = verify(plan.modules)
         rel_loss = abs(loss - result.loss_fp32) / max(abs(result.loss_fp32), 1e-30)
-        ok = rel_loss <= max_loss_rel_change and oerr.rel_l2 <= max_output_rel_error
+        meets = rel_loss <= max_loss_rel_change and oerr.rel_l2 <= max_output_rel_error
         plan.verified = {"modules": dict(plan.modules), "loss": loss, "loss_rel_change": rel_loss,
-                         "output_rel_l2": oerr.rel_l2, "meets_budget": ok}
-        if ok:
+                         "output_rel_l2": oerr.rel_l2, "meets_budget": meets}
+        if meets:
             break
         worst = max(plan.modules, key=lambda n: (impact.get(n, 0.0), n))
-        c = choices[worst]
-        c.reason = (f"kept in the plan's format: {c.recipe} met its local budget, but the FP8 set together broke "
-                    f"the model budget (loss change {rel_loss:.2e}, output error {oerr.rel_l2:.2e}) and this module "
-                    f"moves the loss most (first-order {impact.get(worst, 0.0):.2e})")
-        c.recipe = None
+        dropped = choices[worst]
+        dropped.reason = (f"kept in the plan's format: {dropped.recipe} met its local budget, but the FP8 set "
+                          f"together broke the model budget (loss change {rel_loss:.2e}, output error "
+                          f"{oerr.rel_l2:.2e}) and this module moves the loss most (first-order "
+                          f"{impact.get(worst, 0.0):.2e})")
+        dropped.recipe = None
         plan.dropped.append(worst)
     return plan
 

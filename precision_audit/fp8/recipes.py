@@ -38,7 +38,8 @@ class Cast:
     def describe(self) -> str:
         if self.kind == "hp":
             return "high precision"
-        d = {E4M3: "e4m3", E5M2: "e5m2"}.get(self.dtype, "e2m1")
+        names: dict[torch.dtype | None, str] = {E4M3: "e4m3", E5M2: "e5m2"}
+        d = names.get(self.dtype, "e2m1")
         return f"{self.kind} {d}" + (" (power-of-2 scales)" if self.pow2 else "")
 
 

@@ -31,21 +31,21 @@ def _cell(rec: Mapping[str, Any], cost: Mapping[str, Any] | None) -> dict[str, A
 
 def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
     """The template's view of ``audit["fp8"]``; None when absent or not as the tool writes it."""
-    f = audit.get("fp8")
+    f: Any = audit.get("fp8")
     if not isinstance(f, Mapping):
         return None
     try:
         recipes = [r for r in f.get("recipes", {}) if isinstance(r, str)]
-        plan = f.get("plan") if isinstance(f.get("plan"), Mapping) else {}
-        pmods = plan.get("modules", {}) if isinstance(plan.get("modules"), Mapping) else {}
-        auto = f.get("torchao_auto_filter") if isinstance(f.get("torchao_auto_filter"), Mapping) else {}
+        plan: Any = f.get("plan") if isinstance(f.get("plan"), Mapping) else {}
+        pmods: Any = plan.get("modules", {}) if isinstance(plan.get("modules"), Mapping) else {}
+        auto: Any = f.get("torchao_auto_filter") if isinstance(f.get("torchao_auto_filter"), Mapping) else {}
         rows = []
         for L in f.get("layers", []):
             name = str(L.get("name"))
-            pm = pmods.get(name, {}) if isinstance(pmods.get(name), Mapping) else {}
-            cost = pm.get("cost", {}) if isinstance(pm.get("cost"), Mapping) else {}
+            pm: Any = pmods.get(name, {}) if isinstance(pmods.get(name), Mapping) else {}
+            cost: Any = pm.get("cost", {}) if isinstance(pm.get("cost"), Mapping) else {}
             cells = {r: _cell(L["recipes"][r], cost.get(r)) for r in recipes if r in L.get("recipes", {})}
-            af = auto.get(name, {}) if isinstance(auto.get(name), Mapping) else {}
+            af: Any = auto.get(name, {}) if isinstance(auto.get(name), Mapping) else {}
             rows.append({"name": name, "shape": f"{L.get('in_features')}→{L.get('out_features')}",
                          "tokens": L.get("tokens"), "cells": cells, "recipe": pm.get("recipe"),
                          "reason": str(pm.get("reason", "")),

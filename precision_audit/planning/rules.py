@@ -199,7 +199,7 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
         elif measured <= floor:
             note = (f"not calibrated: the all-{f} loss change {measured:.2e} is within the FP32 noise floor "
                     f"{floor:.2e}")
-        factor = 1.0 if note else measured * ref / total
+        factor = measured * ref / total if note is None and measured is not None else 1.0
         factors[f] = factor
         info[f.value] = {"factor": factor, "measured_loss_rel_change": measured,
                          "first_order_sum_rel": total / ref, "note": note}
@@ -301,8 +301,8 @@ def _planner_candidates(analysis: Analysis, capture, perf, formats: tuple[Format
                 overflow[f] = why_refused
         cands.append(Candidate(name=r.name, flops=r.ops.gemm_flops, time_s=times, impact=impact,
                                overflow=overflow, group=groups.get(r.name),
-                               local_error={f: (L.errors[f].local.rel_l2 if L.errors.get(f) and L.errors[f].local
-                                                else None) for f in formats}))
+                               local_error={f: (e.local.rel_l2 if (e := L.errors.get(f)) and e.local else None)
+                                            for f in formats}))
     return cands, zero
 
 

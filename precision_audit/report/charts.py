@@ -447,7 +447,7 @@ def time_by_layer(names: Sequence[str], times: dict[str, list[float | None]], ch
     tips = []
     for i, name in enumerate(names):
         parts = [f"#{i} {name or '(model)'}: {label}"]
-        parts += [f"{fmt} {_seconds(s[i]) if s[i] is not None else '—'}" for fmt, s in times.items()]
+        parts += [f"{fmt} {'—' if (t := s[i]) is None else _seconds(t)}" for fmt, s in times.items()]
         tips.append("\n".join(parts))
     out += _hover_columns(fr, tips, centred=True)
     out += _legend(fr, [(f"series {series_class(f)}", f) for f in times])

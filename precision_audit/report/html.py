@@ -209,7 +209,7 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
     plan = audit.get("plan") or {}
     target = audit.get("target") or {}
     ls = audit.get("loss_scale")
-    estimates = audit.get("estimates") if isinstance(audit.get("estimates"), Mapping) else {}
+    estimates: Any = audit.get("estimates") if isinstance(audit.get("estimates"), Mapping) else {}
     names = [L.get("name", "") for L in layers]
     all_formats = ["fp32", *formats]
 
@@ -552,7 +552,7 @@ def render_html(audit: AuditRecord | Mapping[str, Any], policy: Mapping[str, Any
     """
     from .audit_json import as_document
 
-    audit = as_document(audit)
+    doc = as_document(audit)
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
-    view = build_view(audit, policy)
-    return _env().get_template(TEMPLATE).render(a=audit, v=view, policy=policy, generated=when)
+    view = build_view(doc, policy)
+    return _env().get_template(TEMPLATE).render(a=doc, v=view, policy=policy, generated=when)

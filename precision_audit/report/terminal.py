@@ -63,6 +63,8 @@ class Progress:
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         self._refresh_s = refresh_s
+        self._ncols: int | None
+        self._nrows: int | None
         self._ncols, self._nrows = _size(self.stream) if self.tty else (None, None)
         encoding = (getattr(self.stream, "encoding", None) or "").lower().replace("-", "")
         self._done = "✓" if encoding in ("utf8", "") else "done"

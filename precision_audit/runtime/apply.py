@@ -40,6 +40,9 @@ from ..tf32_switches import snapshot as tf32_snapshot
 
 log = logging.getLogger(__name__)
 
+# A policy names its formats as strings (policy/schema.py); the low-precision ones' dtypes, by name.
+_DTYPE_OF_NAME: dict[str, torch.dtype] = {f.value: d for f, d in LOW_PRECISION_DTYPES.items()}
+
 _UPCAST = (torch.float16, torch.bfloat16)
 
 # The handle applied to each (unwrapped) model, so that a second apply is refused and the adaptive
@@ -159,13 +162,13 @@ class PolicyHandle:
 
     def _install(self, root: torch.nn.Module) -> None:
         p = self._policy
-        default_dtype = LOW_PRECISION_DTYPES.get(p.default_format)
+        default_dtype = _DTYPE_OF_NAME.get(p.default_format)
         try:
             for name, module in named_modules(root):
                 o = p.modules.get(name)
                 if o is None:
                     continue
-                dtype = LOW_PRECISION_DTYPES.get(o.format)
+                dtype = _DTYPE_OF_NAME.get(o.format)
                 had = "forward" in module.__dict__
                 prev = module.__dict__.get("forward")
                 state = _ModuleState(name=name, format=o.format, dtype=dtype, cache=dtype == default_dtype,
@@ -302,7 +305,7 @@ class PolicyAutocast:
             raise PolicyError("autocast(policy, device_type) takes a device type such as 'cuda' or 'cpu'",
                               found=repr(device_type))
         self.device_type = device_type
-        self.dtype = LOW_PRECISION_DTYPES.get(policy.default_format)
+        self.dtype = _DTYPE_OF_NAME.get(policy.default_format)
         self.enabled = enabled
         if policy.default_format == "tf32":
             self.tf32 = (True, True)

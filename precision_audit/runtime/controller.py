@@ -63,7 +63,7 @@ import torch
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import _ACTIVE, LOW_PRECISION_DTYPES, apply_policy, make_grad_scaler
+from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, make_grad_scaler
 from .monitor import StabilityMonitor, StepRecord
 
 log = logging.getLogger(__name__)
@@ -334,10 +334,10 @@ class PrecisionController:
                                                                             spike_factor=spike_factor)
         modules = list(named_modules(self.root))
         seen: set[int] = set()
-        self._params: list[torch.nn.Parameter] = []
-        self._module_params: list[tuple[str, list[torch.nn.Parameter]]] = []
+        self._params: list[torch.Tensor] = []
+        self._module_params: list[tuple[str, list[torch.Tensor]]] = []
         for name, m in modules:
-            own = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+            own: list[torch.Tensor] = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in own)
             self._params.extend(own)
             if own:
@@ -358,7 +358,7 @@ class PrecisionController:
         self._skipped = 0
         self._streaks: dict[str, list[int]] = {}
         self._reported_fp32_sources: set[str] = set()
-        self._own_handle = None
+        self._own_handle: PolicyHandle | None = None
         # Forward hooks in every mode, so that a skipped step names where its non-finite values started; the
         # backward tensor hooks only in adaptive mode (they serve the backward-source rule alone).
         self._probe = _SourceProbe(modules, backward=adaptive) if attribute else None
