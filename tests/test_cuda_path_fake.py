@@ -355,8 +355,8 @@ def gemm_audit():
 
 
 def _gemm_audit(fake, target):
+    from precision_audit.analysis import gemm_bench
     from precision_audit.analysis.performance import performance
-    from precision_audit.capture import gemm_bench
     from precision_audit.gpus import resolve_target
 
     calls: list[tuple] = []
@@ -409,7 +409,7 @@ def test_the_tensor_core_verdict_uses_the_measured_gpus_peak(gemm_audit):
 
 def test_no_tensor_core_verdict_for_a_gpu_not_in_the_table():
     from fakecuda import FakeDeviceProperties
-    from precision_audit.capture.gemm_bench import GemmTimer
+    from precision_audit.analysis.gemm_bench import GemmTimer
     from precision_audit.capture.ops import GemmOp
 
     with FakeCuda(props=FakeDeviceProperties(name="Some Future GPU", major=12, minor=0)):

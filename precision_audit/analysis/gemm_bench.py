@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
+from ..capture.ops import ConvSpec, GemmOp
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..gpus import GpuSpec, match_detected
-from .ops import ConvSpec, GemmOp
 
 MAX_TIMED_GEMMS = 16  # distinct GEMMs timed in isolation for achieved TFLOP/s, largest first
 
@@ -164,7 +164,7 @@ class GemmTimer:
 def measure_gemms(capture: Any, perf: Any, target: GpuSpec, device: str, formats: tuple[Format, ...]) -> None:
     """Attach measured times to the audit: the largest distinct GEMMs (achieved TFLOP/s) and each misaligned
     GEMM or convolution of an alignment finding, as is and padded (CUDA only)."""
-    from ..analysis.alignment import REQUIRED_MULTIPLE
+    from .alignment import REQUIRED_MULTIPLE
 
     fmt = Format.BF16 if Format.BF16 in formats else (formats[0] if formats else None)
     if fmt is None:
