@@ -35,17 +35,13 @@ import pytest
 import torch
 
 from conftest import ROOT
+from models import HEADER, LINEAR, MLP, MLP_BATCH, model_file
 from precision_audit.cli import main
 from precision_audit.errors import AuditError
 
-MLP = str(ROOT / "sample_models" / "mlp" / "model.py")
-MLP_BATCH = str(ROOT / "sample_models" / "mlp" / "sample.pt")
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
-HEADER = "import torch\nfrom torch import nn\n"
 
-#: A linear model on [4, 8] inputs, the base most model-side cases start from.
-LINEAR = HEADER + "def build_model():\n    torch.manual_seed(0)\n    return nn.Linear(8, 4)\n"
 
 
 class Point:
@@ -58,13 +54,6 @@ class Point:
 # ---------------------------------------------------------------------------------------------------------------
 # building the inputs of a case
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def model_file(d: Path, body: str, name: str = "model.py") -> str:
-    p = d / name
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(textwrap.dedent(body))
-    return str(p)
 
 
 def batch_file(d: Path, obj: Any, name: str = "batch.pt") -> str:

@@ -8,11 +8,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from models import MLP, MLP_BATCH
 from precision_audit.cli import main
-
-MLP = str(ROOT / "sample_models" / "mlp" / "model.py")
-MLP_BATCH = str(ROOT / "sample_models" / "mlp" / "sample.pt")
 
 
 def test_targets_lists_every_gpu(capsys):

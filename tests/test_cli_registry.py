@@ -21,7 +21,7 @@ from precision_audit.cli import EPILOG, main
 from precision_audit.cli import commands as registry
 from precision_audit.cli.commands import AUDIT, Command, find, register
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
 EXPECTED = {"targets", "verify", "report", "export", "build-kernels"}
 
 #: What the ``boom`` command raises (set by each test).

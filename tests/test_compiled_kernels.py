@@ -30,7 +30,7 @@ from precision_audit.capture.memory import SavedTensorCounter
 from precision_audit.errors import AuditError
 from test_emulation import CASES, Inputs, _dtypes_for  # the op recipes of the dtype-policy tests
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
 FP16, BF16 = torch.float16, torch.bfloat16
 
 

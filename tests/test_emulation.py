@@ -868,7 +868,8 @@ def _run_oracle(keys: list[str]) -> dict[str, str]:
     """Runs the oracle in subprocesses; an op that aborts the process is recorded and the rest re-run."""
     results: dict[str, str] = {}
     pending = list(keys)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+    repo = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo),
                                                          os.environ.get("PYTHONPATH", "")]),
            "CUDA_VISIBLE_DEVICES": ""}
     for _ in range(8):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from models import HEADER
 from precision_audit.analysis.findings import Budget, _summary
 from precision_audit.audit import AuditOptions, run_audit
 from precision_audit.capture.records import RunRecord
@@ -28,8 +29,6 @@ from precision_audit.capture.stats import ErrorStats
 from precision_audit.formats import Format
 from precision_audit.report.schemas import validate_audit
 from precision_audit.report.terminal import summary_text
-
-HEADER = "import torch\nfrom torch import nn\n"
 
 SIDE = """
 class Side(nn.Module):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, SAMPLES
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
 
 # Fields that differ between two runs of the same code: when and where it ran (the machine, its thread count),
 # and wall-clock durations. The figures themselves do not depend on the thread count (issue 12's last item).

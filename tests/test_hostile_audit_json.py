@@ -28,13 +28,11 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT
+from models import TROUBLE, TROUBLE_BATCH
 from precision_audit.cli import main
 from precision_audit.cli.report import ReportInputError, check_audit
 from precision_audit.report.html import render_html
 
-TROUBLE = str(ROOT / "sample_models" / "fp16_trouble" / "model.py")
-TROUBLE_BATCH = str(ROOT / "sample_models" / "fp16_trouble" / "sample.pt")
 BIG = 1.7976931348623157e308  # the largest float
 TINY = 5e-324                 # the smallest subnormal
 # "inf" or "nan" as a word of the page (the report writes a non-finite value as "inf/NaN", which is allowed)

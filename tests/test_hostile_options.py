@@ -21,12 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from models import MLP, MLP_BATCH, TROUBLE, TROUBLE_BATCH
 from precision_audit.cli import MAX_STEPS, main
-
-MLP = str(ROOT / "sample_models" / "mlp" / "model.py")
-MLP_BATCH = str(ROOT / "sample_models" / "mlp" / "sample.pt")
-TROUBLE = str(ROOT / "sample_models" / "fp16_trouble" / "model.py")
-TROUBLE_BATCH = str(ROOT / "sample_models" / "fp16_trouble" / "sample.pt")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,21 +38,13 @@ import pytest
 import torch
 
 from conftest import ROOT
+from models import LINEAR_BODY, MLP, MLP_BATCH, model_file
 from precision_audit.cli import main
 from precision_audit.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNSAFE, EXIT_USAGE, AuditError
 
-MLP = str(ROOT / "sample_models" / "mlp" / "model.py")
-MLP_BATCH = str(ROOT / "sample_models" / "mlp" / "sample.pt")
 HEADER = "import os, sys\nimport torch\nfrom torch import nn\n"
-LINEAR = HEADER + "def build_model():\n    torch.manual_seed(0)\n    return nn.Linear(8, 4)\n"
+LINEAR = HEADER + LINEAR_BODY
 STAGING = ".precision-audit-staging."
-
-
-def model_file(d: Path, body: str, name: str = "model.py") -> str:
-    p = d / name
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(textwrap.dedent(body))
-    return str(p)
 
 
 def x8(d: Path, name: str = "x8.pt") -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "precision_audit"
+PACKAGE = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "precision_audit"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 

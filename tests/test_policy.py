@@ -35,7 +35,7 @@ from precision_audit.policy import (
 # torch.compile's first import warns about torch.jit internals; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
 sys.path.insert(0, str(ROOT / "sample_models" / "fp16_trouble"))
 import model as fp16_trouble  # noqa: E402
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from models import tiny_mlp
 from precision_audit import record as R
 from precision_audit.analysis.findings import (
     Analysis,
@@ -34,7 +35,7 @@ from precision_audit.planning.rules import LayerPlan, Plan, plan_by_rules
 from precision_audit.policy.build import DEFAULT_INIT_SCALE, build_policy
 from precision_audit.report.audit_json import ReportInputError, from_json, read, to_json
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
 SAMPLES = sorted(p.name.removesuffix(".audit.json") for p in GOLDEN.glob("*.audit.json"))
 
 
@@ -205,7 +206,7 @@ def _model():
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    return tiny_mlp(4, 4, 2)
 
 
 def test_policy_of_a_plan_turns_loss_scaling_on_only_with_fp16_and_tf32_off_after_an_error_pin():

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import layer
+from models import HEADER
 from precision_audit.audit import AuditOptions, run_audit
 from precision_audit.errors import PolicyError
 from precision_audit.policy.io import load_policy, parse_policy
@@ -147,7 +148,6 @@ def test_load_policy_raises_only_policy_error_for_any_file(tmp_path, data):
 # audits of unusual structures
 # ---------------------------------------------------------------------------------------------------------------
 
-HEADER = "import torch\nfrom torch import nn\n"
 
 
 def audit(tmp_path: Path, body: str, batch: Any, name: str = "model.py", **options) -> tuple[Any, dict, dict]:

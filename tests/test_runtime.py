@@ -22,7 +22,7 @@ from precision_audit.errors import OptionError, PolicyError
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
 from precision_audit.runtime import PolicyHandle, StabilityMonitor, active_handle
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
 sys.path.insert(0, str(ROOT / "sample_models" / "fp16_trouble"))
 import model as fp16_trouble  # noqa: E402
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import precision_audit as pa
+from models import tiny_mlp
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
 from precision_audit.runtime import PolicyAutocast, PolicyHandle, PrecisionController, active_handle
 
@@ -38,7 +39,7 @@ def _policy(model: nn.Module, default: str = "bf16", overrides: dict[str, str] |
 
 def _net() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    return tiny_mlp(8, 8, 4)
 
 
 def test_the_four_functions_run_a_training_step():

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
 SAMPLES = ROOT / "sample_models"
 NAMES = ["mlp", "cnn", "tiny_gpt", "fp16_trouble"]
 FP16_TINY = 2.0 ** -24  # smallest FP16 subnormal
