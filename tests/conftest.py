@@ -21,7 +21,7 @@ def _seed():
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_cache(tmp_path_factory):
     """An empty compiled-kernel cache, so that a developer's built kernels never change which kernels the
-    tests use (tests/test_compiled_kernels.py builds its own)."""
+    tests use (tests/capture/test_compiled_kernels.py builds its own)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
         yield

@@ -179,3 +179,20 @@ def test_a_stage_never_imports_a_later_one(stage):
     bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith(f"precision_audit.{stage}.")
                  or m == f"precision_audit.{stage}" for d in deps if ".".join(d.split(".")[:2]) in later)
     assert not bad, "\n".join(bad)
+
+
+#: Test folders that mirror no package of precision_audit, and why.
+TEST_FOLDERS_BEYOND_THE_PACKAGE = {
+    "e2e": "whole audits of the sample and real-world models, through every stage",
+    "gpu": "tests that need a CUDA device (a fake one everywhere, a real one when there is one; docs/gpu.md)",
+}
+
+
+def test_the_tests_mirror_the_package():
+    tests = PACKAGE.parent / "tests"
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.rglob("test_*.py"))}
+    assert folders - packages - set(TEST_FOLDERS_BEYOND_THE_PACKAGE) == set()
+    # one module name per test file: the tests are imported by name (pytest's prepend mode, no __init__.py)
+    names = [p.name for p in tests.rglob("*.py") if "golden" not in p.parts]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

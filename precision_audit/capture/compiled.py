@@ -3,7 +3,7 @@
 The emulation's AutocastCPU kernels are Python functions (emulation.py). Each call costs a round trip from the
 dispatcher into Python, about 20-40 us on a small CPU, which dominates the emulated step of a small model. The
 same kernels for the three busiest policies (the GEMM family, fp32 and fp32-with-dtype) are written in C++ in
-``_emulation_kernels.cpp``; they are bit-identical to the Python ones (tests/test_compiled_kernels.py).
+``_emulation_kernels.cpp``; they are bit-identical to the Python ones (tests/capture/test_compiled_kernels.py).
 
 They are built on request, never silently: ``precision-audit build-kernels`` compiles them with the installed
 torch's headers (a C++ compiler and ninja are needed, about 15 s on 2 cores) into a cache folder named after the

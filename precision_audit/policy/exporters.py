@@ -30,7 +30,7 @@ other stacks"). Every string from it -- the model class, the target name, module
 policy path -- reaches the output only as ``repr()`` (a Python string literal, in code or in a comment),
 or through ``json.dumps`` in JSON; never raw. So a policy cannot add a line, a statement or an encoding
 declaration to the generated file: its syntax tree is the same for any strings of the same shape
-(tests/test_hostile_export.py).
+(tests/policy/test_hostile_export.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
     scaler.step(optimizer) -- skipped whenever a gradient is non-finite, in every format; scaler.update()
     optimizer.zero_grad(set_to_none=True); monitor.observe(...)
 
-Without faults the GradScaler's state is step for step the one of the plain loop (tests/test_runtime.py).
+Without faults the GradScaler's state is step for step the one of the plain loop (tests/runtime/test_runtime.py).
 
 **No non-finite update, in any format** (docs/policy.md, "The runtime"). With a GradScaler, a non-finite gradient
 makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients

@@ -15,7 +15,7 @@
 Known disagreements with CUDA are strict xfails (the reason says what CUDA does): nn.LSTM/nn.GRU, which CUDA
 lowers through cuDNN's own autocast wrapper (listed in emulation.KNOWN_GAPS).
 
-Run as a script (``python tests/test_emulation.py --oracle``) this file is the oracle's subprocess.
+Run as a script (``python tests/capture/test_emulation.py --oracle``) this file is the oracle's subprocess.
 """
 
 from __future__ import annotations
@@ -667,7 +667,8 @@ EXTRA_CASES = [
          ("fp32",), "low"),
     Case("linear[other-low] (cast to the autocast dtype)", lambda I: F.linear(I.x(3, 4), I.x(5, 4)), ("other",),
          "low", ("linear",)),
-    # where CUDA adds the bias in a second kernel, or not (emulation._without_bias; tests/test_cuda_kernel_models.py)
+    # where CUDA adds the bias in a second kernel, or not (emulation._without_bias;
+    # tests/capture/test_cuda_kernel_models.py)
     Case("linear[non-contiguous 3-D input, bias]", lambda I: F.linear(I.x(3, 2, 4).transpose(0, 1), I.x(5, 4),
                                                                       I.x(5)), ("fp32",), "low", ("linear",)),
     Case("linear[4-D input, 2-D bias]", lambda I: F.linear(I.x(2, 2, 3, 4), I.x(5, 4), I.x(1, 5)), ("fp32",), "low",

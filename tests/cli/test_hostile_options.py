@@ -1,7 +1,7 @@
 """Hostile options (issue 11, class 8): an empty ``--target``, unbounded ``--steps``, a ``--budget`` key given
 twice, and ``verify`` whose policy arm fails.
 
-``CASES`` is part of the bad-input catalogue (tests/test_bad_inputs.py): each runs the real CLI
+``CASES`` is part of the bad-input catalogue (tests/cli/test_bad_inputs.py): each runs the real CLI
 (``precision_audit.cli.main``) and must exit 2 with one message naming the option, no traceback, nothing on
 stdout, and no ``--out`` folder. ``verify`` with a policy whose arm fails exits 1 ("unsafe"), with a passing
 policy 0.
@@ -146,7 +146,7 @@ def test_verify_exits_1_when_the_policy_arm_fails_and_0_when_it_trains(tmp_path)
 
 
 def test_catalogue_ids_are_unique():
-    """These cases count toward the bad-input catalogue (tests/test_bad_inputs.py); ids must not repeat."""
+    """These cases count toward the bad-input catalogue (tests/cli/test_bad_inputs.py); ids must not repeat."""
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 10
 

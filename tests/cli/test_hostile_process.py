@@ -2,7 +2,7 @@
 
 Three tables:
 
-- ``CASES``: more of the bad-input catalogue (tests/test_bad_inputs.py's contract, run in-process): each case
+- ``CASES``: more of the bad-input catalogue (tests/cli/test_bad_inputs.py's contract, run in-process): each case
   exits with its code (2 for a user error, 3 for an internal error), one message, no traceback (unless
   ``--verbose``), nothing on stdout, and ``--out`` untouched (absent, or the previous audit byte for byte).
 - ``MISBEHAVING``: model files that print, write to file descriptor 1, start a child process or change the

@@ -1,6 +1,6 @@
 """`--formats fp8_e4m3` wired into the audit (precision_audit/fp8/audit.py, the hook in audit.py): audit.json's
 fp8 section and policy.json's fp8 key on the planted sample; FP8 alone is accepted; without it nothing changes
-(tests/test_golden_audit.py keeps the default audit.json identical)."""
+(tests/e2e/test_golden_audit.py keeps the default audit.json identical)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The parts of precision_audit/loading/ that tests/test_loading.py does not reach through load_model /
+"""The parts of precision_audit/loading/ that tests/loading/test_loading.py does not reach through load_model /
 load_batch / resolve_loss: the package's re-exports, how a failure in a package module (no user file) is told,
 the sys.exit() error, and the nested-value walkers."""
 

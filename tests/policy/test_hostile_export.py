@@ -12,7 +12,7 @@ exported file only as ``repr()`` / ``json.dumps``. What is checked, for each tar
 - the DeepSpeed JSON parses back to the same strings;
 - through the CLI: exit 0, the notes on stderr hold no raw control character, no traceback.
 
-``CASES`` (table-driven, hand-made payloads) is part of the bad-input catalogue (tests/test_bad_inputs.py);
+``CASES`` (table-driven, hand-made payloads) is part of the bad-input catalogue (tests/cli/test_bad_inputs.py);
 the hypothesis test draws arbitrary Unicode (surrogates, line and paragraph separators, quotes, backslashes)
 for every string field.
 """
@@ -335,6 +335,6 @@ def test_the_checks_catch_an_injection(tmp_path, monkeypatch):
 
 
 def test_catalogue_ids_are_unique():
-    """These cases count toward the bad-input catalogue (tests/test_bad_inputs.py); ids must not repeat."""
+    """These cases count toward the bad-input catalogue (tests/cli/test_bad_inputs.py); ids must not repeat."""
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 10

@@ -6,7 +6,7 @@ file exits 2 with one message naming the field path (``layers[1].error``), no tr
 beside it is left as it was. Any schema-valid file renders, extreme numbers (1.8e308, 5e-324) shown as such,
 with no "inf" or "nan" produced by overflowing arithmetic.
 
-``CASES`` is part of the bad-input catalogue (tests/test_bad_inputs.py). ``test_mutations_*`` replace
+``CASES`` is part of the bad-input catalogue (tests/cli/test_bad_inputs.py). ``test_mutations_*`` replace
 fields of a real audit.json with extreme or wrongly typed values: each is refused or renders.
 """
 
@@ -316,6 +316,6 @@ def test_many_mutations_of_a_real_audit_are_refused_or_render(tmp_path, good_aud
 
 
 def test_catalogue_ids_are_unique():
-    """These cases count toward the bad-input catalogue (tests/test_bad_inputs.py); ids must not repeat."""
+    """These cases count toward the bad-input catalogue (tests/cli/test_bad_inputs.py); ids must not repeat."""
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 10

@@ -246,7 +246,7 @@ def test_apply_on_a_compiled_model():
 # -- the controller ----------------------------------------------------------------------------------------
 
 def audit_policy(**loss_scaling) -> Policy:
-    """What the audit writes for fp16_trouble on V100 (tests/test_policy.py V1_POLICY), with the layout."""
+    """What the audit writes for fp16_trouble on V100 (tests/policy/test_policy.py V1_POLICY), with the layout."""
     m = fp16_trouble.build_model()
     ls = LossScaling(**{"enabled": True, "init_scale": 131072.0, **loss_scaling})
     return make_policy(m, "fp16", {"hot": "fp32"}, loss_scaling=ls)

@@ -1,7 +1,7 @@
 """Issue 13 item 5: the policy record is data, the runtime is the runtime's.
 
 - ``precision_audit.apply_policy / autocast / grad_scaler / controller`` are the runtime's functions and do what
-  the old ``Policy`` methods did (the behaviour itself is tested in tests/test_runtime.py);
+  the old ``Policy`` methods did (the behaviour itself is tested in tests/runtime/test_runtime.py);
 - the record has no runtime methods, and a caller of the old spelling is told the new one;
 - the policy package imports nothing from the runtime, at module level or inside a function (a static scan of
   its source, so a lazy import counts too), and importing it loads no runtime module.
