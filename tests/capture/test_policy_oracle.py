@@ -1,10 +1,10 @@
 """The cast policy of every op in the emulation's table, observed from torch's real AutocastCUDA kernels.
 
-The start-up check (autocast_policy.check_registrations) compares op names only, and the fake-CUDA dtype oracle
-of tests/capture/test_emulation.py compares output dtypes, which cannot tell fp32 from fp32-with-dtype, and
-cannot run an op whose CUDA body fails on a CPU-only build. Here every table op is called on fake CUDA tensors
-with CUDA autocast on, and a probe kernel registered on the AutogradCUDA key (the first key below AutocastCUDA) records what the
-autocast kernel hands on (the op overload, the dtypes of its floating tensors, its ``dtype`` argument) and stops
+The start-up check (autocast_policy.check_registrations) compares op names only, and the fake-CUDA dtype oracle of
+tests/capture/test_emulation.py compares output dtypes, which cannot tell fp32 from fp32-with-dtype, and cannot run
+an op whose CUDA body fails on a CPU-only build. Here every table op is called on fake CUDA tensors with CUDA
+autocast on, and a probe kernel registered on the AutogradCUDA key (the first key below AutocastCUDA) records what
+the autocast kernel hands on (the op overload, the dtypes of its floating tensors, its ``dtype`` argument) and stops
 the call. Three calls per op (all-fp32 inputs, all-fp16/bf16 inputs, mixed) classify the policy:
 
 - lower_precision_fp: fp32 inputs arrive as fp16/bf16;
