@@ -13,19 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = ROOT / "bench" / "models" / "residual_mlp.py"
 GPT = ROOT / "sample_models" / "tiny_gpt" / "model.py"
 
-CASES = [("residual MLP", "depth", d, {"PA_DEPTH": str(d), "PA_WIDTH": "256", "PA_BATCH": "64"}) for d in (8, 32, 128)] + \
+CASES = [("residual MLP", "depth", d, {"PA_DEPTH": str(d), "PA_WIDTH": "256", "PA_BATCH": "64"})
+         for d in (8, 32, 128)] + \
         [("tiny GPT", "blocks", b, {"PA_GPT_LAYERS": str(b)}) for b in (2, 6, 12)]
 
 

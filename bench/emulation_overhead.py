@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "sample_models" / "mlp" / "model.py"))
     ap.add_argument("--batch", default=str(ROOT / "sample_models" / "mlp" / "sample.pt"))
     ap.add_argument("--repeats", type=int, default=50, help="steps per timed round (default: 50)")
-    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds; best and median are printed (default: 9)")
+    ap.add_argument("--rounds", type=int, default=9,
+                    help="interleaved rounds; best and median are printed (default: 9)")
     ap.add_argument("--no-compiled", action="store_true",
                     help="time the Python kernels only (default: also the compiled ones, building them if needed)")
     ap.add_argument("--scale-batch", type=int, default=1, help="repeat the batch along dim 0 this many times")

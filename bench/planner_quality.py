@@ -69,7 +69,6 @@ def run_depth(depth: int, budget: float) -> None:
     gemm_modules = {L["name"]: (L["cost"] or {}).get("flops", 0) for L in c.audit["layers"]
                     if L["cost"] and L["cost"].get("gemm_ops")}
     total_flops = sum(gemm_modules.values())
-    modules = dict(model.named_modules())
 
     def loss_with(low: set[str]) -> float:
         """One forward: the modules in ``low`` in BF16, every other GEMM module pinned to FP32 (runtime apply)."""

@@ -8,7 +8,8 @@ Models are built from transformers' default configurations with random weights (
 GPT-2's width and depth (``LlamaConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
 num_attention_heads=12)``), each in train mode as built, on a small batch (below), audited in emulated mode with
 ``--steps 0`` and the default budget. Batches (small: the audit runs every pass on the CPU): ResNet-50 2 images
-of 224x224, ViT-B/16 1 image of 224x224, T5-small 2 sequences of 64 tokens, the others 1 sequence of 64 tokens (relative loss change 1e-2, output error 5e-2).
+of 224x224, ViT-B/16 1 image of 224x224, T5-small 2 sequences of 64 tokens, the others 1 sequence of 64 tokens
+(relative loss change 1e-2, output error 5e-2).
 
 Per model it prints each uniform format's measured loss change (the range over the two reduction orders the audit
 measures) and estimated step time on the target, then the plan returned: its verified loss change, estimated step
@@ -138,7 +139,8 @@ def report(name: str, a: dict, wall: float) -> dict:
     print(f"  checks: within budget {within}; no slower than the fastest uniform within budget {no_worse}; "
           f"predicted vs verified {'within 2x' if p['agree'] else 'explained: ' + p['trusted'] + ' trusted'}")
     return {"model": name, "chosen": plan["chosen"], "within_budget": within, "no_worse": no_worse,
-            "verified": ver["loss_rel_change"], "predicted": pred, "estimated_step_time_s": plan["estimated_step_time_s"],
+            "verified": ver["loss_rel_change"], "predicted": pred,
+            "estimated_step_time_s": plan["estimated_step_time_s"],
             "overrides": len(plan["overrides"]), "uniform": {c["label"]: [c["loss_rel_change"],
                                                                         c["estimated_step_time_s"]] for c in cands},
             "agree": p["agree"], "wall_s": wall}

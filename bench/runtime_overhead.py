@@ -98,7 +98,8 @@ def main() -> None:
     print(f"{'by hand (autocast + GradScaler)':<34} {base * 1e3:>10.3f} {1.0:>6.2f}x")
     print(f"{'apply_policy + controller.step':<34} {ours * 1e3:>10.3f} {ours / base:>6.2f}x")
     print(f"{'  the same after controller.close()':<34} {no_hooks * 1e3:>10.3f} {no_hooks / base:>6.2f}x")
-    print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step ({hooks / no_hooks:+.1%} of the step "
+    print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step "
+          f"({hooks / no_hooks:+.1%} of the step "
           "without them)")
 
 

@@ -25,7 +25,7 @@ import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -89,7 +89,7 @@ def audit(
     ``model`` is left exactly as it was (parameters, buffers, gradients, modes, hooks, random state). Bad
     arguments raise an :class:`~precision_audit.errors.AuditError` subclass before anything runs.
     """
-    inner, batch_raw, fn, budget_obj, say = _check_arguments(model, batch, loss_fn, budget, progress)
+    inner, batch_raw, fn, budget_obj, shown = _check_arguments(model, batch, loss_fn, budget, progress)
     if out is not None:
         out = _out_path(out)
         check_out_dir(out, _OUT_FOLDERS)
@@ -101,8 +101,9 @@ def audit(
                         budget=budget_obj, kernels=kernels)
     check_trainable(inner, source)
     subject = Subject(inner, source, _interpret(_copy_tensors(batch_raw, {}), inner, BATCH_LABEL))
-    if say is TqdmProgress:
-        say = TqdmProgress()
+    # the bar is made when the audit starts, after the arguments are checked
+    say: Callable[[str], None] | None = (TqdmProgress() if shown is True else None if isinstance(shown, bool)
+                                         else shown)
     try:
         try:
             c = compute_audit(opts, say, subject=subject)
@@ -120,7 +121,7 @@ def audit(
 
 
 def _check_arguments(model: Any, batch: Any, loss_fn: Any, budget: Any, progress: Any
-                     ) -> tuple[torch.nn.Module, Any, Any, Budget, Callable[[str], None] | None]:
+                     ) -> tuple[torch.nn.Module, Any, Any, Budget, bool | Callable[[str], None]]:
     if not isinstance(model, torch.nn.Module):
         raise ModelLoadError("audit(model, batch) takes the model as a torch.nn.Module",
                              expected="an instance of torch.nn.Module (the model itself, not its class or a "
@@ -152,14 +153,10 @@ def _check_arguments(model: Any, batch: Any, loss_fn: Any, budget: Any, progress
                           expected="None, a precision_audit.analysis.findings.Budget, or a dict with "
                                    "max_loss_rel_change and/or max_output_rel_error",
                           found=f"{type(budget).__name__}: {_short_repr(budget)}")
-    if isinstance(progress, bool):
-        say = TqdmProgress if progress else None  # the bar is made when the audit starts
-    elif callable(progress):
-        say = progress
-    else:
+    if not isinstance(progress, bool) and not callable(progress):
         raise OptionError("progress has the wrong type", expected="True, False, or a callable taking a message",
                           found=f"{type(progress).__name__}: {_short_repr(progress)}")
-    return unwrap_model(model), batch, loss_fn, budget_obj, say
+    return unwrap_model(model), batch, loss_fn, budget_obj, progress
 
 
 def _loss_module(loss_fn: Any) -> types.ModuleType:
@@ -181,7 +178,7 @@ def _copy_tensors(value: Any, memo: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, Mapping):
         items = {k: _copy_tensors(v, memo) for k, v in value.items()}
         try:
-            return type(value)(items)
+            return cast(Any, type(value))(items)  # the caller's mapping type, if it takes a dict
         except TypeError:
             return items
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple

@@ -243,8 +243,9 @@ def run_warnings(capture: CaptureResult, spec: Any, structures: list[str], mode:
     assert spec is not None  # resolved by the reference pass
     w = []
     if mode == "emulated":
+        gaps = capture.emulation["known_gaps"] if capture.emulation else []
         w.append("emulated mode: CUDA autocast's op policies and Tensor Core rounding are computed on "
-                 f"{capture.device}; known gaps: " + "; ".join(capture.emulation["known_gaps"] if capture.emulation else []))
+                 f"{capture.device}; known gaps: " + "; ".join(gaps))
         if capture.emulation and capture.emulation["unknown_cuda_autocast_ops"]:
             w.append("ops CUDA autocast lowers that the emulation table lacks (emulated as unlisted): "
                      + ", ".join(capture.emulation["unknown_cuda_autocast_ops"]))

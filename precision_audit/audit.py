@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from . import assemble
+from . import __version__, assemble
 from . import record as R
 from .analysis.alignment import rank_alignment, tied_modules
 from .analysis.findings import Analysis, analyse
@@ -46,8 +45,16 @@ from .fp8.audit import fp8_stage
 from .fp8.audit import requested as fp8_requested
 from .gpus import GpuSpec, resolve_target
 from .hardware import HardwareInfo, default_target, detect
-from .loading import (Batch, LossSpec, ModelSource, check_trainable, load_batch, load_model, output_structure,
-                      resolve_loss)
+from .loading import (
+    Batch,
+    LossSpec,
+    ModelSource,
+    check_trainable,
+    load_batch,
+    load_model,
+    output_structure,
+    resolve_loss,
+)
 from .options import AuditOptions, _short_repr, resolve_device, select_formats
 from .outputs import Staging, check_out_dir
 from .planning.rules import Plan, plan_mixed_precision
@@ -76,7 +83,8 @@ class AuditResult:
 
         result = precision_audit.audit(model, batch)
         print(result.summary())        # the terminal table
-        result.policy                  # the per-layer Policy (precision_audit.apply_policy(model, result.policy) trains under it)
+        result.policy                  # the per-layer Policy; precision_audit.apply_policy(model, result.policy)
+                                       # trains under it
         result.save("audit")           # audit.json, policy.json, report.html and tb/, all or nothing
     """
 

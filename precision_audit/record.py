@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+
 #: Field metadata: the JSON key when it differs from the attribute name.
 def _key(name: str) -> Any:
     return field(metadata={"key": name})

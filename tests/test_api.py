@@ -355,6 +355,10 @@ def test_a_wrapped_model_is_audited_as_the_model_inside():
 def test_repr_html_renders_in_a_browser(tmp_path):
     """The fragment in headless Chromium (as a notebook shows it, inside a page): no console error, no request,
     the per-layer table collapsed until its summary is clicked."""
+    # the browser helpers of the report's tests, wherever the tests' layout keeps them
+    here = next(Path(__file__).resolve().parent.rglob("test_report_browser.py")).parent
+    if str(here) not in sys.path:
+        sys.path.insert(0, str(here))
     from test_report_browser import CHROMIUM, Chromium
 
     if not Path(CHROMIUM).exists():

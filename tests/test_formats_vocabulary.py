@@ -20,7 +20,7 @@ from precision_audit.policy import schema
 from precision_audit.report import html
 from precision_audit.runtime import apply
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
 
 # (format, exponent bits, mantissa bits, has inf): IEEE-like layouts; e4m3fn has no inf and one NaN pattern,
 # which takes the all-ones mantissa at the top exponent (OCP FP8 spec), so its max has mantissa 110b.

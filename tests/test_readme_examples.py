@@ -39,7 +39,8 @@ def test_readme_examples_run(tmp_path, monkeypatch, capsys):
     for section in SECTIONS:
         for i, code in enumerate(_blocks(section)):
             if "import lightning" in code and not _has_lightning():
-                continue  # the Lightning example needs the lightning extra (tests/test_integrations.py says so)
+                # the Lightning example needs the lightning extra (tests/integrations/test_integrations.py says so)
+                continue
             exec(compile(code, f"README.md ({section}, example {i + 1})", "exec"), namespace)
             ran.append((section, i))
     assert {s for s, _ in ran} == set(SECTIONS)

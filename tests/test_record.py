@@ -3,8 +3,8 @@ planning, policy and record-building steps on hand-made findings (issue 13, item
 
 The stored audit.json of every sample model (tests/golden/) is the reference for the round trip: read into the
 record and written back it must be the same document, so the converter neither loses nor
-invents a field; what it writes it reads back to the same text. The planning tests build an :class:`Analysis` by hand, with a known answer, and call the
-planner and the policy builder without running a model.
+invents a field; what it writes it reads back to the same text. The planning tests build an :class:`Analysis` by
+hand, with a known answer, and call the planner and the policy builder without running a model.
 """
 
 from __future__ import annotations
@@ -16,9 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from models import tiny_mlp
 from precision_audit import record as R
-from precision_audit.analysis.findings import (Analysis, Budget, FormatError, FormatSummary, GradientFinding,
-                                               LayerFinding, RangeFinding)
+from precision_audit.analysis.findings import (
+    Analysis,
+    Budget,
+    FormatError,
+    FormatSummary,
+    GradientFinding,
+    LayerFinding,
+    RangeFinding,
+)
 from precision_audit.assemble import layer_report, plan_counts, verdict
 from precision_audit.capture.stats import ErrorStats
 from precision_audit.formats import Format
@@ -27,7 +35,7 @@ from precision_audit.planning.rules import LayerPlan, Plan, plan_by_rules
 from precision_audit.policy.build import DEFAULT_INIT_SCALE, build_policy
 from precision_audit.report.audit_json import ReportInputError, from_json, read, to_json
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
 SAMPLES = sorted(p.name.removesuffix(".audit.json") for p in GOLDEN.glob("*.audit.json"))
 
 
@@ -174,7 +182,8 @@ def test_rules_plan_pins_an_overflowing_layer_and_an_error_outlier_to_fp32():
     plan = plan_by_rules(_analysis(layers), (Format.FP16,), "V100")
     assert plan.default_format is Format.FP16
     assert set(plan.overrides) == {"big", "noisy"}
-    assert plan.overrides["big"].format is Format.FP32 and "25.0% of its values overflow" in plan.overrides["big"].reason
+    big = plan.overrides["big"]
+    assert big.format is Format.FP32 and "25.0% of its values overflow" in big.reason
     assert "local error 1.00e-01" in plan.overrides["noisy"].reason
     assert {n: lp.format for n, lp in plan.layers.items() if n not in plan.overrides} == \
         {"": Format.FP16, "a": Format.FP16, "b": Format.FP16, "c": Format.FP16}
@@ -197,7 +206,7 @@ def _model():
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    return tiny_mlp(4, 4, 2)
 
 
 def test_policy_of_a_plan_turns_loss_scaling_on_only_with_fp16_and_tf32_off_after_an_error_pin():
@@ -207,17 +216,19 @@ def test_policy_of_a_plan_turns_loss_scaling_on_only_with_fp16_and_tf32_off_afte
     fp, n = fingerprint(model)
     bf16 = Plan(default_format=Format.BF16, default_reason="test")
     p = build_policy(model, fp, n, target, bf16, None)
-    # TF32 not measured: off (tests/test_tf32.py has the measured cases)
+    # TF32 not measured: off (tests/capture/test_tf32.py has the measured cases)
     assert not p.loss_scaling.enabled and not p.tf32_matmul and p.default_format == "bf16"
     mixed = Plan(default_format=Format.BF16, default_reason="test",
-                 overrides={"0": LayerPlan(Format.FP16, "fastest"), "2": LayerPlan(Format.FP32, "fp16 local error 1e-1")})
+                 overrides={"0": LayerPlan(Format.FP16, "fastest"),
+                            "2": LayerPlan(Format.FP32, "fp16 local error 1e-1")})
     tf32 = FormatSummary(Format.TF32, 1.0, 1e-4, None, 0, 0, 1.0, None, True, "safe as is")
     assert build_policy(model, fp, n, target, bf16, None, tf32).tf32_matmul
     p = build_policy(model, fp, n, target, mixed, 2.0 ** 12, tf32)
     assert p.loss_scaling.enabled and p.loss_scaling.init_scale == 2.0 ** 12
     assert not p.tf32_matmul and not p.tf32_cudnn  # TF32 would undo a pin for local error
     assert {k: v.format for k, v in p.modules.items()} == {"0": "fp16", "2": "fp32"}
-    assert build_policy(model, fp, n, target, Plan(Format.FP16, "t"), None).loss_scaling.init_scale == DEFAULT_INIT_SCALE
+    fp16 = build_policy(model, fp, n, target, Plan(Format.FP16, "t"), None)
+    assert fp16.loss_scaling.init_scale == DEFAULT_INIT_SCALE
     v100 = build_policy(model, fp, n, resolve_target("v100"), bf16, None)
     assert not v100.tf32_matmul  # no TF32 before Ampere
 

@@ -196,7 +196,8 @@ def rank_alignment(layers: dict[str, list[dict[str, Any]]], step_time_s: dict[st
                   and gr["size"] < (gr.get("required_multiple") or 0))
         return not skinny and lost >= MIN_TIME_LOST_S and (not step or lost / step >= MIN_STEP_SHARE)
 
-    listed, small = [], []
+    listed: list[Any] = []
+    small: list[Any] = []
     for gr in groups.values():
         gr["step_share"] = gr["estimated_time_lost_s"] / step if step else None
         (listed if matters(gr) else small).append(gr)

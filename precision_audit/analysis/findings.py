@@ -50,7 +50,8 @@ class RangeFinding:
     exponent_histogram: dict[int, int]
 
     @classmethod
-    def of(cls, h: MagnitudeHistogram, formats: tuple[Format, ...] = RANGE_FORMATS, scale_exponent: int = 0) -> "RangeFinding":
+    def of(cls, h: MagnitudeHistogram, formats: tuple[Format, ...] = RANGE_FORMATS,
+           scale_exponent: int = 0) -> RangeFinding:
         return cls(
             amax=h.amax,
             elements=h.total,
@@ -152,7 +153,7 @@ class Fp32NonFinite:
 
 def fp32_nonfinite(capture: CaptureResult) -> Fp32NonFinite:
     """What the FP32 reference pass itself left non-finite (its own problems, not low precision's)."""
-    modules = []
+    modules: list[dict[str, Any]] = []
     for r in sorted(capture.layers, key=lambda r: r.order):
         o, g, p = r.activation.nonfinite, r.grad_output.nonfinite, r.grad_param.nonfinite
         if o or g or p:
@@ -254,10 +255,10 @@ def _pair(main: float, other: float | None) -> tuple[float, float] | None:
     return (min(main, other), max(main, other))
 
 
-def _figure(pair: tuple[float, float] | None, main: float) -> str:
+def _figure(pair: tuple[float, float] | None, main: float | None) -> str:
     """A measured figure, as the range over the two reduction orders when there are two (symmetric in them)."""
     if pair is None or f"{pair[0]:.2e}" == f"{pair[1]:.2e}":
-        return f"{main:.2e}" if pair is None else f"{pair[1]:.2e}"
+        return ("not measured" if main is None else f"{main:.2e}") if pair is None else f"{pair[1]:.2e}"
     return f"{pair[0]:.2e}\u2013{pair[1]:.2e} over two reduction orders"
 
 
@@ -266,7 +267,8 @@ def _summary(run: RunRecord, ref_loss: float, budget: Budget, fp32_bad: Fp32NonF
     fmt = run.format
     if run.error:
         return FormatSummary(fmt, None, None, None, 0, 0, run.loss_scale, run.error, False,
-                             f"not measured: the model raised under {fmt}{'' if fmt is Format.TF32 else ' autocast'}: {run.error}")
+                             f"not measured: the model raised under {fmt}"
+                             f"{'' if fmt is Format.TF32 else ' autocast'}: {run.error}")
     loss_change = None
     if run.loss is not None and math.isfinite(run.loss):
         loss_change = abs(run.loss - ref_loss) / abs(ref_loss) if ref_loss else abs(run.loss)

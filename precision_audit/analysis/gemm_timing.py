@@ -1,7 +1,7 @@
 """Measured GEMM times on the GPU beside the cost model's estimates (cuda mode only).
 
 Each misaligned GEMM of an alignment finding is timed as is and padded to the required multiple, and the largest
-distinct GEMMs are timed for their achieved TFLOP/s (the timer: capture/gemm_bench.py). In emulated mode
+distinct GEMMs are timed for their achieved TFLOP/s (the timer: analysis/gemm_bench.py). In emulated mode
 nothing is timed: the CPU's time says nothing about the target GPU, and the findings keep their estimates only.
 """
 
@@ -17,6 +17,6 @@ def measure_gemms_on_gpu(capture: CaptureResult, perf: Performance, target: GpuS
                          formats: tuple[Format, ...]) -> None:
     """Attach measured times to ``perf``: each layer's ``cost.measured_gemms`` and each alignment finding's
     ``measured`` (as is and padded)."""
-    from ..capture.gemm_bench import measure_gemms  # times kernels: CUDA only
+    from .gemm_bench import measure_gemms  # times kernels: CUDA only
 
     measure_gemms(capture, perf, target, device, formats)

@@ -14,8 +14,15 @@ from ..formats import AUTOCAST_FORMATS, Format
 from ..gpus import GpuSpec
 from ..record import FormatMemory, Memory
 from .alignment import REQUIRED_MULTIPLE, batch_set_dims, check_dims, padded, vocabulary_advice
-from .cost import (ASSUMPTIONS, ELEMENT_BYTES, STEP_OVER_FORWARD, alignment_time_lost, gemm_time, layer_cost,
-                   step_kernels)
+from .cost import (
+    ASSUMPTIONS,
+    ELEMENT_BYTES,
+    STEP_OVER_FORWARD,
+    alignment_time_lost,
+    gemm_time,
+    layer_cost,
+    step_kernels,
+)
 from .cost import floor as kernel_floor
 
 # Formats the cost model estimates when the target supports them (TF32 needs no numerics run to be timed).
@@ -79,7 +86,7 @@ def _gemm_findings(rec: LayerRecord, target: GpuSpec, formats: tuple[Format, ...
     out = []
     for g, calls in rec.ops.gemms.values():
         by_batch = batch_set_dims(g)
-        dims_out = []
+        dims_out: list[dict[str, Any]] = []
         for fmt in low:
             for d in check_dims(g, fmt, efficient_tier):
                 if d.aligned and d.efficient:

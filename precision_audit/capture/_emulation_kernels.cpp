@@ -1,7 +1,7 @@
 // Compiled AutocastCPU kernels for the emulation (precision_audit/capture/compiled.py builds and loads this).
 //
 // They do exactly what the Python kernels in emulation.py do for three policies, op for op, so the results
-// are bit-identical (tests/test_compiled_kernels.py checks it, forward and backward):
+// are bit-identical (tests/capture/test_compiled_kernels.py checks it, forward and backward):
 //
 //   gemm     (lower precision, computed in fp32): every eligible tensor argument is rounded to the autocast
 //            dtype and handed on as float32 (x.to(dtype).float(), or x.float() when it already has that dtype);

@@ -3,13 +3,14 @@
 The emulation's AutocastCPU kernels are Python functions (emulation.py). Each call costs a round trip from the
 dispatcher into Python, about 20-40 us on a small CPU, which dominates the emulated step of a small model. The
 same kernels for the three busiest policies (the GEMM family, fp32 and fp32-with-dtype) are written in C++ in
-``_emulation_kernels.cpp``; they are bit-identical to the Python ones (tests/test_compiled_kernels.py).
+``_emulation_kernels.cpp``; they are bit-identical to the Python ones (tests/capture/test_compiled_kernels.py).
 
 The same library holds the fused statistics (``range_stats``, ``error_sums``: capture/stats.py), which read each
 tensor once.
 
 **The fast path is the default** (docs/performance.md, "Compiled kernels: built automatically"): with
-``--kernels auto`` (the default) an audit loads the library when it is built, and otherwise builds it first, once, with one progress line saying so
+``--kernels auto`` (the default) an audit loads the library when it is built, and otherwise builds it first, once,
+with one progress line saying so
 (a C++ compiler and ninja are needed; about 20-40 s on 2 cores). When it cannot be built (no compiler, no ninja,
 a failed compile) the audit says so in one line and uses the Python kernels and statistics, which give the same
 results; a failed compile is remembered (a ``.failed`` note beside the build folder) so that later audits do not

@@ -80,7 +80,7 @@ def addbmm_forward(self_: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tens
     dt = batch1.dtype
     beta, alpha = float(beta), float(alpha)
     shape = (batch1.shape[1], batch2.shape[2])
-    out = self_.expand(shape) if beta != 0 else None
+    out: torch.Tensor | None = self_.expand(shape) if beta != 0 else None
     if batch1.shape[0] == 0:
         return torch.zeros(shape, dtype=dt) if out is None else (out.float() * beta).to(dt)
     for i in range(batch1.shape[0]):
@@ -91,6 +91,7 @@ def addbmm_forward(self_: torch.Tensor, batch1: torch.Tensor, batch2: torch.Tens
         if out is not None and b != 0:
             acc = acc + (out.float() if b == 1 else out.float() * b)
         out = acc.to(dt)
+    assert out is not None  # the loop ran (batch1.shape[0] > 0)
     return out
 
 

@@ -8,8 +8,8 @@ Two pieces, used together:
   are removed). The registrations live in a ``torch.library.Library`` that is destroyed on exit, which
   restores torch's own CPU kernels.
 - :class:`LowPrecisionGemmMode` (capture/gemm_mode.py), a ``TorchDispatchMode`` below autograd: GEMM-family
-  ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16 are computed
-  in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
+  ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16
+  are computed in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
   accumulation, rounded output) and ~100x faster than CPU-native low-precision GEMMs. Other ops run
   natively in their real dtype, so elementwise rounding is exact; an op with no Half/BFloat16 CPU kernel
   is computed in fp32 and rounded.
@@ -35,8 +35,7 @@ from torch.utils._pytree import tree_map
 
 from . import compiled, cuda_kernels
 from .autocast_policy import CUDA_POLICY, CastPolicy, check_registrations
-from .gemm_mode import (_CONV_OPS, LOW_DTYPES, LowPrecisionGemmMode, _add_bias, _bound, _flat_tensors,
-                        _without_bias)
+from .gemm_mode import _CONV_OPS, LOW_DTYPES, LowPrecisionGemmMode, _add_bias, _bound, _flat_tensors, _without_bias
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ def start_rounding_registry() -> dict[int, _Rounded]:
     global _ROUNDED
     _ROUNDED = {}
     _set_compiled_recording(True)
-    return _ROUNDED  # type: ignore[return-value]
+    return _ROUNDED
 
 
 def stop_rounding_registry() -> None:
@@ -250,14 +249,14 @@ def _fp32_compute_kernel(op: torch._ops.OpOverload, name: str, native):
                 len(args[1]) > 2 or _einsum_sums_first(args[0], len(args[1]))):
             return native(*args, **kwargs)  # pairwise GEMMs or sums with rounded intermediates
         dtype = torch.get_autocast_dtype("cpu")
-        args = [_round_up(a, dtype) for a in args]
+        rounded = [_round_up(a, dtype) for a in args]
         if kwargs:
             kwargs = {k: _round_up(v, dtype) for k, v in kwargs.items()}
         bias = None
         if separate_bias:
-            args, kwargs, bias = _without_bias(op, name, args, kwargs)
+            rounded, kwargs, bias = _without_bias(op, name, rounded, kwargs)
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-            out = _round_out(op(*args, **kwargs), dtype)
+            out = _round_out(op(*rounded, **kwargs), dtype)
             if bias is not None:
                 out = _add_bias(out, bias, dtype, conv=name != "linear")
             return out
@@ -534,7 +533,7 @@ class CudaAutocastPolicy:
                 split[policy].append(name)
         return split
 
-    def __enter__(self) -> "CudaAutocastPolicy":
+    def __enter__(self) -> CudaAutocastPolicy:
         global _COMPILED_ACTIVE
         if self.unknown_ops:
             log.warning("CUDA autocast registers ops this emulation's table lacks: %s", ", ".join(self.unknown_ops))

@@ -20,15 +20,16 @@ from typing import Any
 
 import torch
 
-from ..distributed.tensors import owned_part
 from ..formats import Format
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .session_state import SessionState
+from .shards import owned_part
 from .stats import ErrorStats
 
 
-class FormatPasses:
+class FormatPasses(SessionState):
     """The low-precision passes of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
     # state of the session this part reads and writes (see CaptureSession.__init__)
@@ -108,21 +109,20 @@ class FormatPasses:
             for p in self._modules[mid].parameters(recurse=False):
                 if p.grad is not None and id(p) not in seen:
                     seen.add(id(p))
-                    added, shared = self._grad_nonfinite(p)
+                    added, shared = self._grad_nonfinite(p, p.grad)
                     fs.grad_param_nonfinite += added
                     run.param_grads_nonfinite += added
                     run.param_grads_nonfinite_shared += shared
         for p in self.model.parameters():  # parameters no module that ran owns
             if p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
-                added, shared = self._grad_nonfinite(p)
+                added, shared = self._grad_nonfinite(p, p.grad)
                 run.param_grads_nonfinite += added
                 run.param_grads_nonfinite_shared += shared
 
-    def _grad_nonfinite(self, p: torch.Tensor) -> tuple[int, int]:
-        """(non-finite gradient elements of ``p`` where FP32's is finite, those where FP32's is not finite too)."""
-        assert p.grad is not None  # the callers count parameters that have a gradient
-        bad = ~torch.isfinite(owned_part(p.grad).detach())
+    def _grad_nonfinite(self, p: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
+        """(non-finite elements of ``p``'s gradient where FP32's is finite, those where FP32's is not finite too)."""
+        bad = ~torch.isfinite(owned_part(grad).detach())
         ref = self._ref_grad_nonfinite.get(id(p))
         if ref is None or ref.shape != bad.shape:
             return int(bad.sum()), 0

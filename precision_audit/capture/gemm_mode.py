@@ -189,7 +189,8 @@ class LowPrecisionGemmMode(TorchDispatchMode):
                         out = func(*_up(c_args, dtype), **_up(c_kwargs, dtype)).to(dtype)
                         return _add_bias(out, bias.float(), dtype, conv=True)
                 out = func(*_up(args, dtype), **_up(kwargs, dtype))
-                return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+                return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                                out)
         elif func in _SDPA_OPS:
             q_index, keep32 = _SDPA_OPS[func]
             dtype = args[q_index].dtype
@@ -205,7 +206,8 @@ class LowPrecisionGemmMode(TorchDispatchMode):
             dtype = torch.float16 if "'Half'" in str(e) else torch.bfloat16
             self.fallback_ops.add(str(func))
             out = func(*_up(args, dtype), **_up(kwargs, dtype))
-            return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out)
+            return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t,
+                            out)
 
 
 def is_missing_low_precision_kernel(e: BaseException) -> bool:

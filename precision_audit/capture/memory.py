@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import emulation
-from ..distributed.tensors import local_tensor
+from .shards import local_tensor
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SavedTensorCounter:
         self._current = current_module
         self._param_ptrs = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self._seen: set[int] = set()
-        self._hooks = None
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._counting = False
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -73,15 +73,16 @@ class SavedTensorCounter:
             self.tally.by_module[mid] = self.tally.by_module.get(mid, 0) + nbytes
         return t
 
-    def __enter__(self) -> "SavedTensorCounter":
+    def __enter__(self) -> SavedTensorCounter:
         emulation.start_rounding_registry()
         self._counting = True
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
+        self._hooks = hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
         emulation.stop_rounding_registry()
         self._counting = False
 

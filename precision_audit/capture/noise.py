@@ -188,15 +188,17 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
                 continue
             runs[f] = _format_forward(session, f, alt_outputs)
     session._reset()
-    impacts, note, wall = None, "not measured: on CUDA the thread count does not change the reduction order", None
-    if not cuda:
+    impacts: dict[str, dict[Format, float | None]] | None = None
+    note: str | None = "not measured: on CUDA the thread count does not change the reduction order"
+    wall = None
+    if alt is not None:
         t0 = time.perf_counter()
         impacts, note = second_order_impacts(session, alt)
         wall = time.perf_counter() - t0
     main_loss = session.reference.loss if session.reference else None
     loss_rel = (abs(ref_loss - main_loss) / abs(main_loss) if main_loss else abs(ref_loss - (main_loss or 0.0))) \
         if ref_loss is not None and main_loss is not None else math.nan
-    return NoiseFloor(method=method, threads=None if cuda else (main, alt), reference_loss=ref_loss,
+    return NoiseFloor(method=method, threads=None if alt is None else (main, alt), reference_loss=ref_loss,
                       loss_rel=loss_rel, output_rel_error=out_err,
                       layers={n: e.rel_l2 for n, e in layer_err.items()}, runs=runs, outputs=alt_outputs,
                       impacts=impacts, impacts_note=note, impacts_wall_s=wall)

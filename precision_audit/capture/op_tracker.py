@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed.tensors import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
 from ..errors import ModelRunError
 from .ops import record_op
+from .shards import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
 
 if TYPE_CHECKING:
     from .session import CaptureSession
@@ -53,7 +53,7 @@ def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
 class OpTracker(TorchDispatchMode):
     """Counts compute ops per innermost module during the reference forward (the session's call stack)."""
 
-    def __init__(self, session: "CaptureSession") -> None:
+    def __init__(self, session: CaptureSession) -> None:
         super().__init__()
         self.session = session
         self.param_ptrs: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in session.model.parameters()}

@@ -34,7 +34,7 @@ class GemmOp:
     dims: tuple[tuple[str, str, int], ...]
     note: str | None = None
     # convolutions: the call itself, so that a GPU benchmark times a convolution of this shape (not a matmul)
-    conv: "ConvSpec | None" = None
+    conv: ConvSpec | None = None
 
     def key(self) -> tuple:
         return (self.op, self.kind, self.m, self.n, self.k, self.batch)
@@ -102,7 +102,7 @@ def _conv(args, kwargs, out) -> GemmOp:
 
 def _conv_tbc(args, kwargs, out) -> GemmOp:
     """conv_tbc: one (time x batch, C_in) @ (C_in, C_out) GEMM per kernel tap (docs/emulation.md)."""
-    x, w = args[0], args[1]
+    w = args[1]
     taps, c_in, c_out = w.shape
     m = out.shape[0] * out.shape[1]
     return GemmOp("conv_tbc", "conv", m, c_out, c_in, taps, 2 * taps * m * c_in * c_out,

@@ -114,6 +114,7 @@ class CaptureResult:
     step_times_s: dict[str, list[float]]  # clean (uninstrumented) steps, per format incl. "fp32"
     emulation: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
-    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # run -> {activation_bytes, weight_copy_bytes, peak_bytes?}
+    # run -> {activation_bytes, weight_copy_bytes, peak_bytes?}
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)
     traces: dict[str, bytes] = field(default_factory=dict)  # file name -> profiler trace (for tb/)
     time_label: str = ""

@@ -21,20 +21,21 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..distributed.tensors import owned_part
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
 from .emulation import rounding_registry_paused
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .session_state import SessionState
+from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram
 
 CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
                   "measured)")
 
 
-class ReferencePass:
+class ReferencePass(SessionState):
     """The FP32 reference pass of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
     # state of the session this part reads and writes (see CaptureSession.__init__)

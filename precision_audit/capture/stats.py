@@ -23,7 +23,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -73,7 +73,7 @@ def _thresholds(fmt: Format) -> tuple[float, float, float]:
     return s.zero_below, s.normal_from, s.overflow_from
 
 
-@lru_cache(maxsize=None)
+@cache
 def _boundary_list() -> tuple[float, ...]:
     edges: set[float] = set()
     # Powers of two give the exponent histogram (for charts and percentiles).
@@ -90,12 +90,12 @@ def _boundary_list() -> tuple[float, ...]:
     return tuple(sorted(set(float(v) for v in as32.tolist() if v > 0)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def boundaries(device: str = "cpu") -> torch.Tensor:
     return torch.tensor(_boundary_list(), dtype=torch.float32, device=device)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _edge_index() -> dict[float, int]:
     return {v: i for i, v in enumerate(_boundary_list())}
 
@@ -152,7 +152,7 @@ class MagnitudeHistogram:
         counts[0] -= zeros
         self.counts += counts
 
-    def merge(self, other: "MagnitudeHistogram") -> None:
+    def merge(self, other: MagnitudeHistogram) -> None:
         self.counts += other.counts
         _merge_specials(self, other)
 
@@ -249,7 +249,7 @@ class RangeSummary:
             self.zeros += int((a == 0).sum())
             self.amax = max(self.amax, float(a.max()))
 
-    def merge(self, other: "RangeSummary") -> None:
+    def merge(self, other: RangeSummary) -> None:
         _merge_specials(self, other)
 
     @property
@@ -257,7 +257,7 @@ class RangeSummary:
         return self.nans + self.infs
 
 
-def _merge_specials(a: "MagnitudeHistogram | RangeSummary", b: "MagnitudeHistogram | RangeSummary") -> None:
+def _merge_specials(a: MagnitudeHistogram | RangeSummary, b: MagnitudeHistogram | RangeSummary) -> None:
     a.total += b.total
     a.zeros += b.zeros
     a.nans += b.nans
@@ -327,7 +327,7 @@ class ErrorStats:
         self.sum_p2 += float(torch.dot(q, q))
         self.max_abs = max(self.max_abs, float(d.abs().max()))
 
-    def merge(self, o: "ErrorStats") -> None:
+    def merge(self, o: ErrorStats) -> None:
         self.n += o.n
         self.sum_ref2 += o.sum_ref2
         self.sum_diff2 += o.sum_diff2
@@ -365,5 +365,6 @@ class ErrorStats:
         return self.sum_dot / den
 
     def metrics(self) -> dict[str, float]:
-        return {"rel_l2": self.rel_l2, "sqnr_db": self.sqnr_db, "max_abs": self.max_abs if not self.nonfinite else math.inf,
+        return {"rel_l2": self.rel_l2, "sqnr_db": self.sqnr_db,
+                "max_abs": self.max_abs if not self.nonfinite else math.inf,
                 "cosine": self.cosine, "nonfinite": self.nonfinite, "elements": self.n}

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class StepTimer:
     """Per format, profiled steps then clean steps on a session's model (see :meth:`run`)."""
 
-    def __init__(self, session: "CaptureSession") -> None:
+    def __init__(self, session: CaptureSession) -> None:
         self.s = session
         self.cuda = session.config.mode == "cuda"
         self._prof_stack: list[tuple[int, Any, Any]] = []

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import AuditError
 from ..report.audit_json import ReportInputError, _read_json, check_audit, load_audit, load_record

@@ -74,7 +74,7 @@ def verify_main(argv: list[str]) -> int:
     with Progress(quiet=args.quiet) as progress:
         result = run_verify(model, run.forward, run.loss_of, policy, device, mode, opts, progress)
     result.loss = run.loss_facts()
-    files: dict[str, str] = {}
+    files: dict[str, str | bytes] = {}
     if record is not None:
         record.verify = result  # the record's typed ``verify`` section (precision_audit/record.py)
         files["audit.json"] = json.dumps(to_json(record), indent=1, allow_nan=False) + "\n"

@@ -39,8 +39,8 @@ ASSUMPTIONS = (
     "three GEMMs per step (output, grad_input, grad_weight), each at the recipe's dense peak x tile-and-wave "
     "efficiency, or at memory bandwidth if slower",
     "amax and cast kernels as bytes moved at the target's bandwidth (fp8/cost.py CAST_BYTES), inputs in BF16",
-    f"each extra amax/cast kernel costs at least {KERNEL_LAUNCH_S * 1e6:g} us (heuristic: launch and tail); no overlap; "
-    "the BF16 baseline has no casts",
+    f"each extra amax/cast kernel costs at least {KERNEL_LAUNCH_S * 1e6:g} us (heuristic: launch and tail); "
+    "no overlap; the BF16 baseline has no casts",
     "FP8 GEMMs need K and N multiples of 16 (torch._scaled_mm); MXFP8/NVFP4 need K a multiple of the block",
 )
 
@@ -56,7 +56,7 @@ class LayerCost:
 
     @property
     def time_s(self) -> float | None:
-        return None if self.gemm_time_s is None else self.gemm_time_s + self.cast_time_s
+        return None if self.gemm_time_s is None or self.cast_time_s is None else self.gemm_time_s + self.cast_time_s
 
     @property
     def speedup(self) -> float | None:
@@ -96,7 +96,8 @@ def layer_cost(tokens: int, in_features: int, out_features: int, recipe: str, ta
     bf16_t = sum(_time(g, bf16, 2, target) for g in gemms.values()) if bf16 else float("nan")
     if tuple(target.compute_capability) < r.min_cc:
         return LayerCost(recipe, bf16_t, None, None, False,
-                         f"not estimated: {target.name} (CC {target.compute_capability[0]}.{target.compute_capability[1]})"
+                         f"not estimated: {target.name} "
+                         f"(CC {target.compute_capability[0]}.{target.compute_capability[1]})"
                          f" has no Tensor Cores for {recipe} (CC {r.min_cc[0]}.{r.min_cc[1]} or later)")
     peak_name = "fp8_e4m3"
     elem_bytes = 1.0
@@ -118,7 +119,10 @@ def layer_cost(tokens: int, in_features: int, out_features: int, recipe: str, ta
     t = 0.0
     for name, g in gemms.items():
         hp = r.cast(name, "input" if name != "grad_input" else "grad_output").kind == "hp"
-        t += _time(g, bf16, 2, target) if hp else _time(g, peak, elem_bytes, target)
+        if hp:  # a GEMM the recipe keeps in BF16 (not estimated without a BF16/FP16 peak, as bf16_t)
+            t += _time(g, bf16, 2, target) if bf16 else float("nan")
+        else:
+            t += _time(g, peak, elem_bytes, target)
     elements = tokens * in_features + in_features * out_features + tokens * out_features
     cast_t = max(CAST_BYTES[recipe] * elements / (target.bandwidth_gbps * 1e9),
                  EXTRA_KERNELS[recipe] * KERNEL_LAUNCH_S)

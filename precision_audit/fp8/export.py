@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from ..policy.exporters import Export
+from ..policy.exported import Export
 from .policy import Fp8Plan
 from .recipes import RECIPES
 

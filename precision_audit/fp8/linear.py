@@ -70,6 +70,12 @@ def _effective_scales(q: Q.Quantized, cast: Cast) -> torch.Tensor:
     return q.scale.flatten().float()
 
 
+def _dtype_of(cast: Cast) -> torch.dtype:
+    if cast.dtype is None:
+        raise ValueError(f"a {cast.kind!r} cast names no dtype")
+    return cast.dtype
+
+
 @dataclass
 class Fp8State:
     """One module's quantisation state under one recipe: delayed-scaling histories (per tensor role, as

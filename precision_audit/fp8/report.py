@@ -52,7 +52,7 @@ def _other_gemms(other: Any, recipes: list[str]) -> list[dict[str, Any]]:
 
 def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
     """The template's view of ``audit["fp8"]``; None when absent or not as the tool writes it."""
-    f = audit.get("fp8")
+    f: Any = audit.get("fp8")
     if not isinstance(f, Mapping):
         return None
     try:
@@ -64,10 +64,10 @@ def fp8_view(audit: Mapping[str, Any]) -> dict[str, Any] | None:
         rows = []
         for L in f.get("layers", []):
             name = str(L.get("name"))
-            pm = pmods.get(name, {}) if isinstance(pmods.get(name), Mapping) else {}
-            cost = pm.get("cost", {}) if isinstance(pm.get("cost"), Mapping) else {}
+            pm: Any = pmods.get(name, {}) if isinstance(pmods.get(name), Mapping) else {}
+            cost: Any = pm.get("cost", {}) if isinstance(pm.get("cost"), Mapping) else {}
             cells = {r: _cell(L["recipes"][r], cost.get(r)) for r in recipes if r in L.get("recipes", {})}
-            af = auto.get(name, {}) if isinstance(auto.get(name), Mapping) else {}
+            af: Any = auto.get(name, {}) if isinstance(auto.get(name), Mapping) else {}
             rows.append({"name": name, "shape": f"{L.get('in_features')}→{L.get('out_features')}",
                          "tokens": L.get("tokens"), "cells": cells, "recipe": pm.get("recipe"),
                          "reason": str(pm.get("reason", "")),

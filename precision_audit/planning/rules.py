@@ -99,7 +99,8 @@ def plan_by_rules(analysis: Analysis, candidates: tuple[Format, ...], target_nam
         elif any(L.name.startswith(p + ".") for p in pinned):
             lp = LayerPlan(Format.FP32, "inside a module pinned to fp32")
         else:
-            lp = LayerPlan(default, "default format" if L.computes or L.name == "" else "default format (no computation of its own)")
+            lp = LayerPlan(default, "default format" if L.computes or L.name == ""
+                           else "default format (no computation of its own)")
         plan.layers[L.name] = lp
     return plan
 
@@ -198,7 +199,7 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
         elif measured <= floor:
             note = (f"not calibrated: the all-{f} loss change {measured:.2e} is within the FP32 noise floor "
                     f"{floor:.2e}")
-        factor = 1.0 if note else measured * ref / total
+        factor = measured * ref / total if note is None and measured is not None else 1.0
         factors[f] = factor
         info[f.value] = {"factor": factor, "measured_loss_rel_change": measured,
                          "first_order_sum_rel": total / ref, "note": note}
@@ -206,7 +207,7 @@ def calibrate(analysis: Analysis, cands: list, formats: tuple[Format, ...]) -> t
 
 
 def plan_mixed_precision(analysis: Analysis, capture, perf, candidates_formats: tuple[Format, ...], target_name: str,
-                         model) -> tuple[Plan, "PlannerResult | None"]:
+                         model) -> tuple[Plan, PlannerResult | None]:
     """The cost-aware mixed plan (planner.py) when first-order impacts were measured, else :func:`plan_by_rules`.
 
     The planner decides the modules with a GEMM of their own (:func:`_planner_candidates`); every other module
@@ -240,14 +241,16 @@ def plan_mixed_precision(analysis: Analysis, capture, perf, candidates_formats: 
         flops[f] = flops.get(f, 0) + max(c.flops, 1)
     low = {f: n for f, n in flops.items() if f is not Format.FP32} or flops
     default = max(low, key=lambda f: (low[f], -FORMAT_PREFERENCE.index(f)))
-    plan = Plan(default_format=default, default_reason=why if default is choose_default(candidates_formats, target_name)[0]
+    plan = Plan(default_format=default,
+                default_reason=why if default is choose_default(candidates_formats, target_name)[0]
                 else f"{default} covers most of the GEMM FLOPs in the plan", source="planner")
     refused = _settle_unseen_and_refused(analysis, result, zero, groups, default)
     _layer_plans(analysis, capture, plan, result, refused)
     _share_tied_formats(plan, result, groups, _baseline(analysis, capture, result, refused, default))
     by_name = {L.name: L for L in analysis.layers}
     for r in capture.layers:  # modules without a GEMM are labelled too (their format is the op policy's)
-        if r.name and r.name not in zero and r.computes and (z := zero_gradient(by_name[r.name], r, modules.get(r.name))):
+        if r.name and r.name not in zero and r.computes and \
+                (z := zero_gradient(by_name[r.name], r, modules.get(r.name))):
             zero[r.name] = z
             if r.name not in plan.overrides and r.name not in result.decisions:
                 plan.layers[r.name] = LayerPlan(plan.layers[r.name].format, f"{z}: its format cannot change the "
@@ -303,8 +306,8 @@ def _planner_candidates(analysis: Analysis, capture, perf, formats: tuple[Format
                 overflow[f] = why_refused
         cands.append(Candidate(name=r.name, flops=r.ops.gemm_flops, time_s=times, impact=impact,
                                overflow=overflow, group=groups.get(r.name),
-                               local_error={f: (L.errors[f].local.rel_l2 if L.errors.get(f) and L.errors[f].local
-                                                else None) for f in formats}))
+                               local_error={f: (e.local.rel_l2 if (e := L.errors.get(f)) and e.local else None)
+                                            for f in formats}))
     return cands, zero
 
 
@@ -393,7 +396,7 @@ def _share_tied_formats(plan: Plan, result, groups: dict[str, str], baseline) ->
     members: dict[str, list[str]] = {}
     for n, g in groups.items():
         members.setdefault(g, []).append(n)
-    for g, names in members.items():
+    for names in members.values():
         planned = [result.decisions[n] for n in names if n in result.decisions]
         if not planned:
             continue

@@ -137,13 +137,14 @@ def choose(analysis, perf, formats: tuple[Format, ...], mixed: Plan, planner_res
     ok = [c for c in uniforms if c.within_budget]
     best_t = min(c.estimated_step_time_s for c in ok if c.estimated_step_time_s is not None)
     best = min(ok, key=lambda c: c.key(best_t))
+    best_time = best.estimated_step_time_s if best.estimated_step_time_s is not None else math.inf
     cands = list(uniforms)
     same_as_uniform = not mixed.overrides and any(c.plan.default_format is mixed.default_format for c in ok)
     if same_as_uniform:
         return best, cands
     mc = PlanCandidate("mixed", mixed, plan_step_time(mixed, perf))
     cands.append(mc)
-    if mc.estimated_step_time_s is None or not mc.estimated_step_time_s < best.estimated_step_time_s * (1 - TIME_TIE):
+    if mc.estimated_step_time_s is None or not mc.estimated_step_time_s < best_time * (1 - TIME_TIE):
         mc.note = (f"not verified: estimated {_us(mc.estimated_step_time_s)} per step, no faster than "
                    f"{best.label} ({_us(best.estimated_step_time_s)})")
         return best, cands
@@ -156,7 +157,7 @@ def choose(analysis, perf, formats: tuple[Format, ...], mixed: Plan, planner_res
     if not mc.within_budget:
         mc.note = f"over budget after {len(mc.repairs)} repair(s): {best.label} is returned"
         return best, cands
-    if not mc.estimated_step_time_s < best.estimated_step_time_s * (1 - TIME_TIE):
+    if not mc.estimated_step_time_s < best_time * (1 - TIME_TIE):
         mc.note = (f"within budget, but after its repairs estimated {_us(mc.estimated_step_time_s)} per step, no "
                    f"faster than {best.label} ({_us(best.estimated_step_time_s)})")
         return best, cands
@@ -192,19 +193,20 @@ def _verify_and_repair(analysis, mc: PlanCandidate, result, verify, make_policy,
     ok = check()
     low = [(n, lp.format) for n, lp in plan.layers.items() if result is not None and n in result.decisions
            and lp.format is not Format.FP32]
-    remaining = sorted(low, key=lambda x: (-impact_of(x[0], x[1]), x[0]))
+    remaining: list[tuple[str, Format]] = sorted(low, key=lambda x: (-impact_of(x[0], x[1]), x[0]))
     ref = abs(analysis.reference_loss) or 1.0
     rounds = 0
     batch: list[tuple[str, Format]] = []
 
     def pin(items: list[tuple[str, Format]]) -> None:
         for n, f in items:
-            for child, lp in list(plan.layers.items()):
+            for child in list(plan.layers):
                 if child.startswith(n + ".") and child not in plan.overrides:
                     plan.layers[child] = LayerPlan(Format.FP32, "inside a module planned as fp32")
             reason = (f"fp32 instead of {f}: the verification pass with the plan applied measured loss change "
                       f"{_fig(mc.loss_rel_change)} and output error {_fig(mc.output_rel_error)} against the budget "
-                      f"{budget.max_loss_rel_change:.2e} / {budget.max_output_rel_error:.2e}; it was the module left in "
+                      f"{budget.max_loss_rel_change:.2e} / {budget.max_output_rel_error:.2e}; it was the module left "
+                      f"in "
                       f"{f} with the largest estimated loss change ({impact_of(n, f) / ref:.2e})")
             plan.overrides[n] = LayerPlan(Format.FP32, reason)
             plan.layers[n] = plan.overrides[n]

@@ -65,7 +65,7 @@ def build_policy(model: torch.nn.Module, fingerprint: str, n_modules: int, targe
         model_fingerprint=fingerprint,
         model_modules=n_modules,
         target_name=target.name,
-        target_compute_capability=tuple(target.compute_capability),
+        target_compute_capability=(target.compute_capability[0], target.compute_capability[1]),
         target_key=target.key,
         default_format=plan.default_format.value,
         modules={k: ModuleOverride(v.format.value, v.reason) for k, v in plan.overrides.items()},

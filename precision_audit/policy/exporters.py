@@ -30,7 +30,7 @@ other stacks"). Every string from it -- the model class, the target name, module
 policy path -- reaches the output only as ``repr()`` (a Python string literal, in code or in a comment),
 or through ``json.dumps`` in JSON; never raw. So a policy cannot add a line, a statement or an encoding
 declaration to the generated file: its syntax tree is the same for any strings of the same shape
-(tests/test_hostile_export.py).
+(tests/policy/test_hostile_export.py).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import OptionError
+from .exported import Export
 from .schema import Policy
 
 EXPORT_TARGETS = ("deepspeed", "lightning", "accelerate", "fsdp", "torchao", "torchtitan")
@@ -49,16 +50,6 @@ _TORCH_DTYPE = {"fp32": "torch.float32", "tf32": "torch.float32", "bf16": "torch
 _LIGHTNING = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 _ACCELERATE = {"fp32": "no", "tf32": "no", "bf16": "bf16", "fp16": "fp16"}
 _FP8 = ("fp8_e4m3", "fp8_e5m2")
-
-
-@dataclass(frozen=True)
-class Export:
-    """One exported file: its text, its kind (".json" or ".py") and what the target cannot express."""
-
-    target: str
-    text: str
-    suffix: str
-    notes: tuple[str, ...]
 
 
 @dataclass(frozen=True)

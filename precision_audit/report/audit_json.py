@@ -16,15 +16,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import enum
 import functools
+import json
 import math
+import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar, Union, cast
 
 from .. import record as R
 from ..errors import AuditError
@@ -62,7 +62,7 @@ def _plain(value: Any) -> Any:
                 **_plain(value.extra)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out: dict[str, Any] = {}
-        absent = getattr(value, "absent", frozenset())
+        absent: frozenset[str] = getattr(value, "absent", frozenset())
         for f in dataclasses.fields(value):
             if f.metadata.get("internal"):
                 continue
@@ -82,13 +82,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def as_document(audit: "R.AuditRecord | Any") -> Any:
+def as_document(audit: R.AuditRecord | Any) -> Any:
     """audit.json's content for the readers that still take it as a mapping (report/html.py, notebook.py,
     tensorboard.py): a record is written out, a mapping (a saved audit.json, already validated) passed on."""
     return to_json(audit) if isinstance(audit, R.AuditRecord) else audit
 
 
-def as_record(audit: "R.AuditRecord | Any") -> R.AuditRecord:
+def as_record(audit: R.AuditRecord | Any) -> R.AuditRecord:
     """The record of ``audit``: a record as is, audit.json's content (already validated) read into one."""
     return audit if isinstance(audit, R.AuditRecord) else read(R.AuditRecord, audit)
 
@@ -114,7 +114,7 @@ def read(cls: type[T], data: Any) -> T:
         return R.Summary(fp32=read(R.ReferenceSummary, data["fp32"]),  # type: ignore[return-value]
                          formats={k: read(R.FormatSummary, v) for k, v in rest.items() if isinstance(v, dict)},
                          extra={k: v for k, v in rest.items() if not isinstance(v, dict)})
-    hints = _hints(cls)
+    hints = _hints(cast(type, cls))
     kwargs: dict[str, Any] = {}
     absent = []
     known = set()
@@ -127,13 +127,13 @@ def read(cls: type[T], data: Any) -> T:
             kwargs[f.name] = _value(hints[f.name], data[key])
         else:
             absent.append(key)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 kwargs[f.name] = None
     return cls(**kwargs, extra={k: v for k, v in data.items() if k not in known},  # type: ignore[call-arg]
                absent=frozenset(absent))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -147,10 +147,10 @@ def _value(tp: Any, v: Any) -> Any:
         arms = [a for a in typing.get_args(tp) if a is not type(None)]
         for a in arms:
             if dataclasses.is_dataclass(a) and isinstance(v, dict):
-                return read(a, v)
+                return read(cast(type, a), v)
         return _value(arms[0], v) if len(arms) == 1 else v
     if dataclasses.is_dataclass(tp):
-        return read(tp, v) if isinstance(v, dict) else v
+        return read(cast(type, tp), v) if isinstance(v, dict) else v
     if origin is list and isinstance(v, list):
         (item,) = typing.get_args(tp)
         return [_value(item, x) for x in v]
@@ -240,12 +240,13 @@ def _read_json(path: Path, what: str) -> Any:
         raise ReportInputError(f"{what} {path} not found",
                                hint="pass the audit.json an audit wrote into its --out folder") from None
     except OSError as e:
-        raise ReportInputError(f"{what} {path} cannot be read", found=f"{type(e).__name__}: {e.strerror or e}") from None
+        raise ReportInputError(f"{what} {path} cannot be read",
+                               found=f"{type(e).__name__}: {e.strerror or e}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ReportInputError(f"{what} {path} is not UTF-8 text", found=f"byte {e.start}: {raw[e.start:e.start + 1]!r}",
-                               hint=_FIX) from None
+        raise ReportInputError(f"{what} {path} is not UTF-8 text",
+                               found=f"byte {e.start}: {raw[e.start:e.start + 1]!r}", hint=_FIX) from None
     try:
         return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float,
                           object_pairs_hook=_no_duplicates)
@@ -261,7 +262,7 @@ def _read_json(path: Path, what: str) -> Any:
                                found=str(e).split(":")[-1].split(";")[0].strip()[:80], hint=_FIX) from None
 
 
-def _schema_error(path: Path, error: Any) -> ReportInputError:
+def _schema_error(path: Path | str, error: Any) -> ReportInputError:
     """One message for the most relevant JSON Schema error: the field's path, what it must be, what it is."""
     field = list(error.absolute_path)
     v, value, inst = error.validator, error.validator_value, error.instance

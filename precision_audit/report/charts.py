@@ -447,7 +447,7 @@ def time_by_layer(names: Sequence[str], times: dict[str, list[float | None]], ch
     tips = []
     for i, name in enumerate(names):
         parts = [f"#{i} {name or '(model)'}: {label}"]
-        parts += [f"{fmt} {_seconds(s[i]) if s[i] is not None else '—'}" for fmt, s in times.items()]
+        parts += [f"{fmt} {'—' if (t := s[i]) is None else _seconds(t)}" for fmt, s in times.items()]
         tips.append("\n".join(parts))
     out += _hover_columns(fr, tips, centred=True)
     out += _legend(fr, [(f"series {series_class(f)}", f) for f in times])
@@ -507,7 +507,8 @@ def loss_curves(curves: dict[str, list[float | None]], chart_id: str = "chart-ve
         if seg:
             segs.append(seg)
         for sg in segs:
-            out.append(f'<polyline class="series {cls}" points="{" ".join(sg)}"><title>{escape(name)}</title></polyline>')
+            out.append(f'<polyline class="series {cls}" points="{" ".join(sg)}">'
+                       f'<title>{escape(name)}</title></polyline>')
     out += _legend(fr, [(f"series {series_class(k)}", k) for k in curves])
     out.append("</svg>")
     return Markup("\n".join(out))

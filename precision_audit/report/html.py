@@ -113,7 +113,8 @@ def cost_times(cost: Any, formats: Sequence[str] | None = None, kind: str = "est
     target estimate) or, with ``kind="measured"``, ``cost.measured_forward_time_s``. ``formats`` None: all."""
     if not isinstance(cost, Mapping):
         return {}
-    keys = ("estimated_step_time_s", "estimated_s") if kind == "estimated" else ("measured_forward_time_s", "measured_s")
+    keys = (("estimated_step_time_s", "estimated_s") if kind == "estimated"
+            else ("measured_forward_time_s", "measured_s"))
     flat = _pick(cost, *keys)
     if not isinstance(flat, Mapping):
         return {}
@@ -147,9 +148,11 @@ def misaligned_rows(layers: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
                     "index": i, "module": L.get("name") or "(model)", "op": op.get("op"), "kind": op.get("kind"),
                     "gemm": op.get("gemm") or {}, "calls": op.get("calls"), "dim": dim, "dim_name": ds[0].get("name"),
                     "size": size, "formats": fmts, "multiple": multiple, "suggested": suggested,
-                    "efficient_multiple": ds[0].get("efficient_multiple"), "efficient_size": ds[0].get("efficient_size"),
+                    "efficient_multiple": ds[0].get("efficient_multiple"),
+                    "efficient_size": ds[0].get("efficient_size"),
                     "tile_waste_pct": ds[0].get("tile_waste_pct"), "cost": ds[0].get("cost"),
-                    "saving": {f: saving.get(f) for f in fmts if isinstance(saving, Mapping) and saving.get(f) is not None},
+                    "saving": {f: saving.get(f) for f in fmts
+                               if isinstance(saving, Mapping) and saving.get(f) is not None},
                     "measured": op.get("measured"), "note": op.get("note")})
     return rows
 
@@ -206,7 +209,7 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
     plan = audit.get("plan") or {}
     target = audit.get("target") or {}
     ls = audit.get("loss_scale")
-    estimates = audit.get("estimates") if isinstance(audit.get("estimates"), Mapping) else {}
+    estimates: Any = audit.get("estimates") if isinstance(audit.get("estimates"), Mapping) else {}
     names = [L.get("name", "") for L in layers]
     all_formats = ["fp32", *formats]
 
@@ -352,7 +355,8 @@ def _headline(audit, formats, summary, plan, target, ls) -> dict[str, Any]:
     else:
         sentence = (f"Train with {d} autocast by default" + (", keeping " + "; ".join(keep) if keep else "")
                     + (f" on {target.get('name')}" if target.get("name") else "") + ".")
-    h: dict[str, Any] = {"sentence": sentence, "default": d, "unsafe": (audit.get("verdict") or {}).get("exit_code") == 1}
+    h: dict[str, Any] = {"sentence": sentence, "default": d,
+                         "unsafe": (audit.get("verdict") or {}).get("exit_code") == 1}
 
     # Estimated speedup of the default format over fp32 on the target.
     sp = speedup(audit, d) if d != "fp32" else None
@@ -374,7 +378,8 @@ def _headline(audit, formats, summary, plan, target, ls) -> dict[str, Any]:
     if isinstance(ver.get("loss_rel_change"), (int, float)):
         within = ver.get("within_budget")
         parts.append(f"measured {fmt_num(ver['loss_rel_change'])} relative to FP32 with the plan applied "
-                     f"({ver.get('source') or 'verification pass'}" + (f"; budget {fmt_num(budget_rel)}" if budget_rel is not None else "")
+                     f"({ver.get('source') or 'verification pass'}"
+                     + (f"; budget {fmt_num(budget_rel)}" if budget_rel is not None else "")
                      + ("" if within is None else ", within it" if within else ", over it") + ")")
     elif ver.get("error"):
         parts.append(f"the verification pass failed: {ver['error']}")
@@ -440,7 +445,7 @@ def _warnings(audit, formats, summary, layers) -> list[str]:
         uniq = list(dict.fromkeys(mods))
         notes.append(f"local error not measured for {', '.join(uniq[:5])}{' …' if len(uniq) > 5 else ''}: {note}")
     memory = audit.get("memory") if isinstance(audit.get("memory"), Mapping) else {}
-    for f, rec in (memory.get("per_format") or {}).items():
+    for rec in (memory.get("per_format") or {}).values():
         if isinstance(rec, Mapping) and _is_gap(rec.get("peak_note")):
             notes.append(f"peak GPU memory: {rec['peak_note']}")
     for key, what in (("verify", "A/B training run (precision-audit verify)"), ("memory", "memory per format"),
@@ -511,7 +516,8 @@ def _grad_hist_chart(layers, ls) -> tuple[Markup | None, str]:
                              f"Below FP16's smallest subnormal 2^{int(sub)} at loss scale 1, gradients flush to zero "
                              "(half of it and below) or lose most of their digits", "marker flush"),
                charts.Marker(normal, "FP16 subnormal, scale 1",
-                             f"Below 2^{int(normal)} FP16 values are subnormal (fewer significant bits) at loss scale 1",
+                             f"Below 2^{int(normal)} FP16 values are subnormal (fewer significant bits) "
+                             "at loss scale 1",
                              "marker sub")]
     exp = ls.get("recommended_exponent") if ls else None
     if exp is None and ls and ls.get("recommended_init_scale"):
@@ -521,7 +527,8 @@ def _grad_hist_chart(layers, ls) -> tuple[Markup | None, str]:
                                      f"At the recommended loss scale 2^{int(exp)}, gradients below 2^{int(sub - exp)} "
                                      "still underflow in FP16", "marker flush-rec"))
         markers.append(charts.Marker(top - exp, f"FP16 overflow, scale 2^{int(exp)}",
-                                     f"At loss scale 2^{int(exp)}, gradients above {fp16.max:.0f} / 2^{int(exp)} overflow",
+                                     f"At loss scale 2^{int(exp)}, gradients above {fp16.max:.0f} / "
+                                     f"2^{int(exp)} overflow",
                                      "marker overflow"))
     note = (f"Output gradients of {len(used)} leaf module(s), summed, from the FP32 reference backward pass."
             if len(used) != len(layers) else f"Output gradients of {len(used)} module(s), summed.")

@@ -1,9 +1,10 @@
 """The audit as a Jupyter cell output: ``AuditResult._repr_html_`` (README.md, "In a notebook").
 
-One self-contained HTML fragment built from the audit's record (precision_audit/record.py): the verdict, the per-format table, the plan,
-and the per-layer table collapsed in a ``<details>``. No script, no external stylesheet, font or image, and no
-URL: a notebook shows it offline, and a sanitising viewer (GitHub, nbviewer) that drops styles still shows
-plain tables. Every piece of text from the audit (module names, reasons, warnings) is escaped.
+One self-contained HTML fragment built from the audit's record (precision_audit/record.py): the verdict, the
+per-format table, the plan, and the per-layer table collapsed in a ``<details>``. No script, no external
+stylesheet, font or image, and no URL: a notebook shows it offline, and a sanitising viewer (GitHub, nbviewer) that
+drops styles still shows plain tables. Every piece of text from the audit (module names, reasons, warnings) is
+escaped.
 
 Example::
 

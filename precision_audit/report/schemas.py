@@ -16,7 +16,7 @@ from typing import Any
 SCHEMA_FILES = {"audit": "audit.schema.json", "policy": "policy.schema.json"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(name: str) -> str:
     file = SCHEMA_FILES.get(name, name)
     return files("precision_audit.schemas").joinpath(file).read_text(encoding="utf-8")
@@ -27,7 +27,7 @@ def load_schema(name: str) -> dict[str, Any]:
     return json.loads(_load(name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(name: str):
     import jsonschema  # imported lazily: only the report and the tests need it
 

@@ -1,4 +1,5 @@
-"""TensorBoard scalars and histograms from a finished audit's record (precision_audit/record.py), beside the profiler traces in ``--out``/tb/.
+"""TensorBoard scalars and histograms from a finished audit's record (precision_audit/record.py), beside the
+profiler traces in ``--out``/tb/.
 
 The step of every per-layer series is the layer's position in audit.json's ``layers`` (the order its forward
 finished), so a scalar chart reads as "error by depth". Tags:

@@ -20,8 +20,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, TextIO
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -62,6 +63,8 @@ class Progress:
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
         self._refresh_s = refresh_s
+        self._ncols: int | None
+        self._nrows: int | None
         self._ncols, self._nrows = _size(self.stream) if self.tty else (None, None)
         encoding = (getattr(self.stream, "encoding", None) or "").lower().replace("-", "")
         self._done = "✓" if encoding in ("utf8", "") else "done"
@@ -110,7 +113,7 @@ class Progress:
         with self._lock:
             self._finish_stage()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -25,28 +25,32 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import PolicyError
 from ..formats import LOW_PRECISION_DTYPES
+from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 from ..tf32_switches import Tf32State, set_tf32, tf32_enabled
 from ..tf32_switches import restore as tf32_restore
 from ..tf32_switches import snapshot as tf32_snapshot
-from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 
 log = logging.getLogger(__name__)
+
+# A policy names its formats as strings (policy/schema.py); the low-precision ones' dtypes, by name.
+_DTYPE_OF_NAME: dict[str, torch.dtype] = {f.value: d for f, d in LOW_PRECISION_DTYPES.items()}
 
 _UPCAST = (torch.float16, torch.bfloat16)
 
 # The handle applied to each (unwrapped) model, so that a second apply is refused and the adaptive
 # controller can find and update it.
-_ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle]" = weakref.WeakKeyDictionary()
+_ACTIVE: weakref.WeakKeyDictionary[torch.nn.Module, PolicyHandle] = weakref.WeakKeyDictionary()
 
 
-def active_handle(model: torch.nn.Module) -> "PolicyHandle | None":
+def active_handle(model: torch.nn.Module) -> PolicyHandle | None:
     """The handle of the policy currently applied to ``model`` (wrappers looked through), or None."""
     return _ACTIVE.get(unwrap_model(model))
 
@@ -158,13 +162,13 @@ class PolicyHandle:
 
     def _install(self, root: torch.nn.Module) -> None:
         p = self._policy
-        default_dtype = LOW_PRECISION_DTYPES.get(p.default_format)
+        default_dtype = _DTYPE_OF_NAME.get(p.default_format)
         try:
             for name, module in named_modules(root):
                 o = p.modules.get(name)
                 if o is None:
                     continue
-                dtype = LOW_PRECISION_DTYPES.get(o.format)
+                dtype = _DTYPE_OF_NAME.get(o.format)
                 had = "forward" in module.__dict__
                 prev = module.__dict__.get("forward")
                 state = _ModuleState(name=name, format=o.format, dtype=dtype, cache=dtype == default_dtype,
@@ -232,7 +236,7 @@ class PolicyHandle:
         self._policy = runtime
         self._install(root)
 
-    def __enter__(self) -> "PolicyHandle":
+    def __enter__(self) -> PolicyHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -327,7 +331,7 @@ class PolicyAutocast:
             raise PolicyError("autocast(policy, device_type) takes a device type such as 'cuda' or 'cpu'",
                               found=repr(device_type))
         self.device_type = device_type
-        self.dtype = LOW_PRECISION_DTYPES.get(policy.default_format)
+        self.dtype = _DTYPE_OF_NAME.get(policy.default_format)
         self.enabled = enabled
         if policy.default_format == "tf32":
             self.tf32 = (True, True)
@@ -335,7 +339,7 @@ class PolicyAutocast:
             self.tf32 = (policy.tf32_matmul, policy.tf32_cudnn)
         self._stack: list[tuple[Tf32State | None, torch.autocast]] = []
 
-    def __enter__(self) -> "PolicyAutocast":
+    def __enter__(self) -> PolicyAutocast:
         saved = None
         if self.enabled:
             saved = tf32_snapshot()

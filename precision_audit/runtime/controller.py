@@ -12,7 +12,7 @@
     scaler.step(optimizer) -- skipped whenever a gradient is non-finite, in every format; scaler.update()
     optimizer.zero_grad(set_to_none=True); monitor.observe(...)
 
-Without faults the GradScaler's state is step for step the one of the plain loop (tests/test_runtime.py).
+Without faults the GradScaler's state is step for step the one of the plain loop (tests/runtime/test_runtime.py).
 
 **No non-finite update, in any format** (docs/policy.md, "The runtime"). With a GradScaler, a non-finite gradient
 makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients
@@ -79,7 +79,7 @@ import torch
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import LOW_PRECISION_DTYPES, _ACTIVE, apply_policy, make_grad_scaler
+from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, make_grad_scaler
 from .monitor import StabilityMonitor, StepRecord
 
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ class _SourceProbe:
         detail = ""
         if best is not None and agreed[best] > none:
             source = self.names[best]
-            detail = local_detail.get(best)
+            detail = local_detail.get(best, "its output went non-finite from finite inputs (on another rank)")
             if agree_text is not None:  # the lowest rank that saw it says what it saw, so promotions read the same
                 detail = agree_text(detail)
             if detail is None:
@@ -535,10 +535,10 @@ class PrecisionController:
                                                                             spike_factor=spike_factor)
         modules = list(named_modules(self.root))
         seen: set[int] = set()
-        self._params: list[torch.nn.Parameter] = []
-        self._module_params: list[tuple[str, list[torch.nn.Parameter]]] = []
+        self._params: list[torch.Tensor] = []
+        self._module_params: list[tuple[str, list[torch.Tensor]]] = []
         for name, m in modules:
-            own = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
+            own: list[torch.Tensor] = [p for p in m.parameters(recurse=False) if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in own)
             self._params.extend(own)
             if own:
@@ -559,7 +559,7 @@ class PrecisionController:
         self._skipped = 0
         self._streaks: dict[str, list[int]] = {}
         self._reported_fp32_sources: set[str] = set()
-        self._own_handle = None
+        self._own_handle: PolicyHandle | None = None
         # A skipped step names where its non-finite values started: by replaying its forward with per-call records
         # (nothing per module on clean steps), or, in adaptive mode (the backward-source rule needs the real
         # backward) and under torch.compile (the records join the compiled graph), with per-call records always

@@ -50,7 +50,8 @@ def _default_emulate(model: torch.nn.Module) -> bool:
     return torch.cuda.get_device_capability(p.device) < (8, 9)
 
 
-def apply_fp8(model: torch.nn.Module, plan: Fp8Plan | dict[str, str] | Any, *, emulate: bool | None = None) -> list[str]:
+def apply_fp8(model: torch.nn.Module, plan: Fp8Plan | dict[str, str] | Any, *,
+              emulate: bool | None = None) -> list[str]:
     """Convert the planned ``nn.Linear`` modules of ``model`` in place to torchao ``Float8Linear``; returns the
     converted module names. ``plan``: an :class:`Fp8Plan`, a loaded policy, or ``{module name: recipe}``.
     ``emulate=None`` emulates unless the model is on a CUDA GPU with FP8 Tensor Cores."""
@@ -72,7 +73,7 @@ def apply_fp8(model: torch.nn.Module, plan: Fp8Plan | dict[str, str] | Any, *, e
     if emulate is None:
         emulate = _default_emulate(model)
     if not emulate:
-        for name, m in sorted(plan.modules.items()):
+        for name in sorted(plan.modules):
             lin = mods.get(name)
             if isinstance(lin, torch.nn.Linear) and (lin.in_features % 16 or lin.out_features % 16):
                 problems.append(f"{name!r}: in/out features {lin.in_features}x{lin.out_features} are not multiples "

@@ -12,7 +12,7 @@ Architecture (input x: float32 [16, 32], output [16, 8]):
 Batch: ``(inputs, targets)`` with inputs float32 [16, 32] ~ N(0, 1) and targets float32 [16, 8]
 ~ N(0, 1). No ``loss_fn``: the tool infers a mean-reduced MSE from a float target of the output's
 shape. (Every number below is measured in FP32 on ``sample.pt`` and checked by
-tests/test_sample_models.py.)
+tests/e2e/test_sample_models.py.)
 
 What the audit should find:
 

@@ -17,7 +17,7 @@ Run it on two ranks::
     precision-audit sample_models/sharded_blocks/model.py --nproc 2
     torchrun --nproc-per-node 2 -m precision_audit sample_models/sharded_blocks/model.py
 
-The audit equals the single-process audit of the same 16 samples (tests/test_distributed_audit.py).
+The audit equals the single-process audit of the same 16 samples (tests/distributed/test_distributed_audit.py).
 """
 import torch
 import torch.nn as nn

@@ -1,0 +1,65 @@
+"""The state and helpers that the parts of a capture session share, declared once for the type checker.
+
+:class:`~precision_audit.capture.session.CaptureSession` is assembled from parts (the reference pass in
+reference_pass.py, the format passes in format_pass.py) that read and write the session's per-pass state and
+call its helpers. :class:`SessionState` declares those names with their types; the session sets the values
+(in ``CaptureSession.__init__``) and defines the helpers. It holds no state and no code of its own
+(docs/architecture.md, "capture/").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from ..formats import Format
+from .records import LayerRecord, RunRecord
+from .reference_store import ReferenceStore
+from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
+
+RngState = tuple[torch.Tensor, torch.Tensor | None]
+
+
+class SessionState:
+    """Names shared by the parts of a capture session (values set by ``CaptureSession.__init__``)."""
+
+    config: Any  # a CaptureConfig (capture/session.py)
+    model: torch.nn.Module
+    layers: dict[int, LayerRecord]
+    grad_all: MagnitudeHistogram
+    reference: RunRecord | None
+    runs: dict[Format, RunRecord]
+
+    _forward: Callable[[torch.nn.Module], Any]
+    _loss_of: Callable[[Any], torch.Tensor]
+    _names: dict[int, str]
+    _modules: dict[int, torch.nn.Module]
+    _phase: Format | str | None
+    _use_gemm_mode: bool
+    _rerunning: bool
+    _stack: list[int]
+    _call_index: dict[int, int]
+    _ref_outputs: dict[int, list[list[torch.Tensor]]]
+    _ref_grad_nonfinite: dict[int, torch.Tensor]
+    _clone_cache: dict[int, tuple[int, torch.Tensor]]
+    _stat_cache: dict[tuple, tuple[torch.Tensor, Any]]
+    _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
+    _loss_ref: Any
+    _refs: ReferenceStore
+
+    # the session's helpers (defined in capture/session.py)
+    _reset: Callable[[], None]
+    _run: Callable[[Format | None], tuple[Any, torch.Tensor]]
+    _rng_state: Callable[[], RngState]
+    _set_rng_state: Callable[[RngState], None]
+    _autocast: Callable[[Format], AbstractContextManager[None]]
+    _backward_context: Callable[[], AbstractContextManager[None]]
+    _fp32_reference_switches: Callable[[], AbstractContextManager[None]]
+    _same_draws: Callable[..., AbstractContextManager[None]]
+    _hist_of: Callable[[torch.Tensor], MagnitudeHistogram]
+    _summary_of: Callable[[torch.Tensor], RangeSummary]
+    _error_of: Callable[[torch.Tensor, torch.Tensor], ErrorStats]
+    _clone_ref: Callable[[torch.Tensor], torch.Tensor]

@@ -1,0 +1,245 @@
+"""The fused statistics (capture/stats.py, ``range_stats`` / ``error_sums`` in capture/_emulation_kernels.cpp) and
+the automatic build that makes them the default (capture/compiled.py).
+
+The fused pass must change nothing: bucket counts, zeros, NaNs, infs and amax equal to a brute-force count and to
+the Python path, error sums within summation-order rounding of them, the brute-force tests of
+tests/capture/test_stats.py
+passing with it, and whole audits of the sample models equal to the stored ones (tests/golden/). The Python path
+is what the rest of the suite runs (conftest.py turns the automatic build off), so both are covered.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import math
+import sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+import pytest
+import torch
+
+sys.path.insert(0, str(_Path(__file__).resolve().parents[1] / "e2e"))  # the golden comparison
+import test_stats  # noqa: E402
+from conftest import ROOT, SAMPLES
+from precision_audit.capture import compiled, stats
+from precision_audit.capture.stats import ErrorStats, MagnitudeHistogram, RangeSummary, python_statistics
+from test_golden_audit import GOLDEN, differences, read_as_stored
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+@pytest.fixture(scope="module")
+def fused(built_kernels):
+    d, _ = built_kernels
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRECISION_AUDIT_KERNEL_DIR", str(d))
+        assert compiled.load()
+        assert stats.is_fused()
+        yield d
+    compiled._loaded = None
+    assert not stats.is_fused()
+
+
+def hostile(dtype: torch.dtype, n: int = 20_000) -> torch.Tensor:
+    """Magnitudes over the whole float32 range, every histogram edge and its float32 neighbours below, zeros of
+    both signs, subnormals, NaNs and infs of both signs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(
+        torch.randint(-150, 128, (n,), generator=g).double())
+    e = stats.boundaries().double()
+    below = torch.nextafter(stats.boundaries(), torch.zeros(1)).double()
+    x = torch.cat([x, e, -below, torch.tensor([0.0, -0.0, 1e-45, -3e-44, float("nan"), float("inf"), -float("inf")],
+                                              dtype=torch.float64)])
+    x = x[torch.randperm(x.numel(), generator=g)]
+    return x.to(dtype)
+
+
+def brute_counts(x: torch.Tensor) -> tuple[list[int], int, int, int, float]:
+    """Bucket i holds edge[i-1] <= |x| < edge[i] (float32 values), counted one element at a time."""
+    edges = stats._boundary_list()
+    counts = [0] * (len(edges) + 1)
+    zeros = nans = infs = 0
+    amax = 0.0
+    for v in x.float().tolist():
+        a = abs(v)
+        if math.isnan(a):
+            nans += 1
+        elif math.isinf(a):
+            infs += 1
+        elif a == 0:
+            zeros += 1
+        else:
+            counts[bisect.bisect_right(edges, a)] += 1
+            amax = max(amax, a)
+    return counts, zeros, nans, infs, amax
+
+
+def test_the_automatic_build_said_so_in_one_line(built_kernels):
+    _, messages = built_kernels
+    building = [m for m in messages if "building the compiled kernels" in m]
+    assert len(building) == 1 and "cached in" in building[0], messages
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_histogram_equals_a_brute_force_count(fused, dtype):
+    x = hostile(dtype, 4000)
+    h = MagnitudeHistogram()
+    h.update(x)
+    counts, zeros, nans, infs, amax = brute_counts(x)
+    assert h.counts.tolist() == counts
+    assert (h.total, h.zeros, h.nans, h.infs, h.amax) == (x.numel(), zeros, nans, infs, amax)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_and_python_paths_agree_on_every_field(fused, dtype):
+    x = hostile(dtype)
+    # non-contiguous and multi-chunk (the pass splits at 32768 elements) inputs too
+    for t in (x, x.reshape(-1, 7)[:, ::2] if x.numel() % 7 == 0 else x[::3], x.repeat(5)):
+        a, b = MagnitudeHistogram(), MagnitudeHistogram()
+        a.update(t)
+        with python_statistics():
+            b.update(t)
+        assert torch.equal(a.counts, b.counts)
+        assert (a.total, a.zeros, a.nans, a.infs, a.amax) == (b.total, b.zeros, b.nans, b.infs, b.amax)
+        r1, r2 = RangeSummary(), RangeSummary()
+        r1.update(t)
+        with python_statistics():
+            r2.update(t)
+        assert r1 == r2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_error_sums_agree_and_nonfinite_rules_hold(fused, dtype):
+    g = torch.Generator().manual_seed(5)
+    ref = torch.randn(70_001, generator=g)
+    ref[::1000] = float("inf")  # the reference's own non-finite values are left out
+    p = (ref + 1e-2 * torch.randn(ref.shape, generator=g)).to(dtype)
+    for q, bad in ((p, 0), (p.clone().index_fill_(0, torch.tensor([5, 77]), float("nan")), 2)):
+        a, b = ErrorStats(), ErrorStats()
+        a.update(ref, q)
+        with python_statistics():
+            b.update(ref, q)
+        assert (a.n, a.ref_nonfinite, a.nonfinite) == (b.n, b.ref_nonfinite, b.nonfinite) == (ref.numel(), 71, bad)
+        for f in ("sum_ref2", "sum_diff2", "sum_dot", "sum_p2"):
+            va, vb = getattr(a, f), getattr(b, f)
+            assert va == vb or (math.isnan(va) and math.isnan(vb)) or abs(va - vb) <= 1e-12 * abs(vb), (f, va, vb)
+        ma, mb = a.metrics(), b.metrics()
+        for k in ma:  # the same up to summation order
+            assert ma[k] == mb[k] or (math.isnan(ma[k]) and math.isnan(mb[k])) or \
+                abs(ma[k] - mb[k]) <= 1e-12 * abs(mb[k]), (k, ma, mb)
+        if bad:
+            assert a.rel_l2 == math.inf and a.metrics()["max_abs"] == math.inf
+        else:
+            assert a.max_abs == b.max_abs
+    same = ErrorStats()
+    same.update(ref, ref.clone())
+    assert same.sum_diff2 == 0 and same.sqnr_db == math.inf
+
+
+def test_cuda_or_unloaded_falls_back_to_python(fused, monkeypatch):
+    x = torch.randn(100)
+    assert stats._fused(x) is not None
+    with python_statistics():
+        assert stats._fused(x) is None
+    assert stats._fused(x.to(torch.int32)) is None
+    monkeypatch.setattr(compiled, "_loaded", None)
+    assert stats._fused(x) is None
+
+
+BRUTE_FORCE_TESTS = [
+    (test_stats.test_planted_fp16_boundaries_match_brute_force_cast, {}),
+    *[(test_stats.test_fractions_at_loss_scales_match_brute_force, {"k": k}) for k in (-8, 0, 3, 10, 16, 24)],
+    *[(test_stats.test_other_formats_random_magnitudes_match_brute_force, {"fmt": f})
+      for f in (stats.Format.BF16, stats.Format.FP16, stats.Format.FP8_E5M2)],
+    (test_stats.test_histogram_counts_specials_and_merges, {}),
+    (test_stats.test_sqnr_and_friends_equal_the_fp64_formulas, {}),
+    (test_stats.test_error_stats_nonfinite_is_a_failure_not_a_small_number, {}),
+    (test_stats.test_exact_match_has_infinite_sqnr_and_zero_error, {}),
+]
+
+
+@pytest.mark.parametrize("test,kwargs", BRUTE_FORCE_TESTS,
+                         ids=[f"{t.__name__}{kw}" for t, kw in BRUTE_FORCE_TESTS])
+def test_the_brute_force_tests_of_test_stats_pass_on_the_fused_path(fused, test, kwargs, monkeypatch):
+    calls = []
+    real = compiled.ops
+
+    def counting():
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(compiled, "ops", counting)
+    torch.manual_seed(0)
+    test(**kwargs)
+    assert calls, "the test did not reach the fused path"
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_audits_with_fused_statistics_equal_the_stored_ones(fused, tmp_path, name, caplog):
+    """The same comparison as tests/e2e/test_golden_audit.py (which runs the Python path), with the fused pass."""
+    from precision_audit.audit import AuditOptions, run_audit
+
+    calls = []
+    real = stats.compiled.ops
+
+    def counting():
+        calls.append(1)
+        return real()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiled, "ops", counting)
+        run_audit(AuditOptions(model=str(ROOT / "sample_models" / name / "model.py"),
+                               batch=str(ROOT / "sample_models" / name / "sample.pt"), out=tmp_path / "o",
+                               kernels="python"))
+    assert len(calls) > 10
+    stored = json.loads((GOLDEN / f"{name}.audit.json").read_text())
+    new = read_as_stored(tmp_path / "o" / "audit.json")
+    assert new["options"]["kernels"] == "python"  # asked for here: the emulation's kernels stay the stored ones
+    new["options"]["kernels"] = stored["options"]["kernels"]
+    diff = differences(stored, new)
+    assert not diff, f"{len(diff)} field(s) differ from tests/golden/{name}.audit.json:\n" + "\n".join(diff[:40])
+
+
+# -- the automatic build (capture/compiled.py) ----------------------------------------------------------------
+
+
+def test_auto_without_a_compiler_is_one_line_and_python(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PRECISION_AUDIT_AUTO_BUILD", "1")
+    monkeypatch.setattr(compiled, "_loaded", None)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="precision_audit"):
+        assert compiled.resolve("auto") == "python"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "building" in lines[0], lines  # the attempt, then why it fell back
+    assert "no C++ compiler" in lines[1] and "using the Python kernels" in lines[1] and "\n" not in lines[1]
+    assert not compiled.failure_note().exists(), "a missing compiler is checked again next time (cheap)"
+
+
+def test_a_failed_automatic_compile_is_remembered_and_not_retried(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PRECISION_AUDIT_AUTO_BUILD", "1")
+    monkeypatch.setattr(compiled, "_loaded", None)
+    tries = []
+
+    def failing(verbose=False):
+        tries.append(1)
+        raise compiled.AuditError("building the compiled kernels failed: error: this is not C++")
+
+    monkeypatch.setattr(compiled, "build", failing)
+    with caplog.at_level(logging.WARNING, logger="precision_audit"):
+        assert compiled.resolve("auto") == "python"
+        assert compiled.resolve("auto") == "python"
+    assert len(tries) == 1 and compiled.failure_note().is_file()
+    assert "earlier automatic build failed" in caplog.records[-1].getMessage()
+
+
+def test_auto_build_off_uses_python_without_trying(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PRECISION_AUDIT_AUTO_BUILD", "0")
+    monkeypatch.setattr(compiled, "_loaded", None)
+    monkeypatch.setattr(compiled, "build", lambda verbose=False: pytest.fail("must not build"))
+    assert compiled.resolve("auto") == "python"

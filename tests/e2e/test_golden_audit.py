@@ -1,0 +1,75 @@
+"""audit.json on every sample model equals the stored output of the implementation before the restructuring
+(issue 13) and the speed work (issue 14): exact counts equal, real-valued figures within 1e-6 relative.
+
+The stored files are written by ``tests/golden/make_golden.py``; regenerate them only for an intended change
+of content, and say so in the commit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SAMPLES
+
+GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
+
+# Fields that differ between two runs of the same code: when and where it ran (the machine, its thread count),
+# and wall-clock durations. The figures themselves do not depend on the thread count (issue 12's last item).
+VOLATILE = {"created", "out"}
+VOLATILE_PATHS = {".hardware", ".noise_floor.method", ".noise_floor.threads"}
+REL = 1e-6
+
+
+def _volatile(key: str, path: str = "") -> bool:
+    return key in VOLATILE or key.endswith("_wall_s") or f"{path}.{key}" in VOLATILE_PATHS
+
+
+def differences(a, b, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            if _volatile(k, path):
+                continue
+            if k not in a or k not in b:
+                out.append(f"{path}.{k}: only in {'stored' if k in a else 'new'}")
+            else:
+                out += differences(a[k], b[k], f"{path}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: length {len(a)} stored, {len(b)} new"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, bool) or isinstance(b, bool) or isinstance(a, int) and isinstance(b, int):
+        return [] if a == b else [f"{path}: {a!r} stored, {b!r} new"]
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        if math.isnan(a) and math.isnan(b) or a == b:
+            return []
+        if math.isfinite(a) and math.isfinite(b) and abs(a - b) <= REL * max(abs(a), abs(b)):
+            return []
+        return [f"{path}: {a!r} stored, {b!r} new"]
+    return [] if a == b else [f"{path}: {str(a)[:80]!r} stored, {str(b)[:80]!r} new"]
+
+
+def read_as_stored(path: Path) -> dict:
+    """A new audit.json with the checkout's path written as the stored files write it (``<ROOT>``)."""
+    return json.loads(path.read_text().replace(json.dumps(str(ROOT))[1:-1], "<ROOT>"))
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_audit_json_equals_the_stored_one(sample_audits, name):
+    stored = json.loads((GOLDEN / f"{name}.audit.json").read_text())
+    _, out, _ = sample_audits.get(name)
+    new = read_as_stored(out / "audit.json")
+    diff = differences(stored, new)
+    assert not diff, f"{len(diff)} field(s) differ from tests/golden/{name}.audit.json:\n" + "\n".join(diff[:40])
+
+
+def test_the_comparison_catches_a_changed_count_and_a_drifted_error():
+    a = {"layers": [{"n": 3, "err": 0.5, "created": "x"}]}
+    assert differences(a, {"layers": [{"n": 3, "err": 0.5 * (1 + 1e-7), "created": "y"}]}) == []
+    assert differences(a, {"layers": [{"n": 4, "err": 0.5, "created": "x"}]})
+    assert differences(a, {"layers": [{"n": 3, "err": 0.5 * (1 + 1e-5), "created": "x"}]})
+    assert differences(a, {"layers": [{"n": 3, "created": "x"}]})

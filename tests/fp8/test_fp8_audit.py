@@ -1,0 +1,60 @@
+"""`--formats fp8_e4m3` wired into the audit (precision_audit/fp8/audit.py, the hook in audit.py): audit.json's
+fp8 section and policy.json's fp8 key on the planted sample; FP8 alone is accepted; without it nothing changes
+(tests/e2e/test_golden_audit.py keeps the default audit.json identical)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ROOT
+from precision_audit.audit import AuditOptions, run_audit
+from precision_audit.report.schemas import validate_audit
+
+MODEL = str(ROOT / "sample_models" / "fp8_outliers" / "model.py")
+
+
+@pytest.fixture(scope="module")
+def fp8_only(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8")
+    run_audit(AuditOptions(model=MODEL, out=out, formats="fp8_e4m3", target="h100", steps=0))
+    return json.loads((out / "audit.json").read_text()), json.loads((out / "policy.json").read_text())
+
+
+def test_fp8_section_in_audit_json(fp8_only):
+    audit, policy = fp8_only
+    validate_audit(audit)
+    assert audit["formats"] == []
+    assert audit["formats_skipped"] == [{"format": "fp8_e4m3", "reason": "measured per recipe in the fp8 section, "
+                                         "not as an autocast pass (docs/fp8.md)"}]
+    f = audit["fp8"]
+    assert [L["name"] for L in f["layers"]] == ["tokens", "channels", "head"]
+    tok = f["layers"][0]["recipes"]
+    assert not tok["fp8_tensorwise"]["meets_budget"] and tok["fp8_rowwise"]["meets_budget"]
+    ch = f["layers"][1]["recipes"]
+    assert not ch["fp8_rowwise"]["meets_budget"] and ch["mxfp8"]["meets_budget"]
+    assert f["target"]["recipes_supported"] == ["fp8_tensorwise", "fp8_delayed", "fp8_rowwise", "fp8_rowwise_gw_hp"]
+    # 256-wide layers on 128 tokens: nothing pays on an H100, and the plan says so per module
+    assert f["plan"]["fp8_flop_share"] == 0.0
+    assert "not worth converting" in f["plan"]["modules"]["head"]["reason"]
+    assert f["torchao_auto_filter"]["head"] == {"fp8_tensorwise": False, "fp8_rowwise": False}
+    assert policy["fp8"] == {"modules": {}}
+
+
+def test_report_fp8_section(fp8_only):
+    from precision_audit.report.html import render_html
+    audit, policy = fp8_only
+    html = render_html(audit, policy)
+    sec = html[html.index('<section id="fp8"'):]
+    sec = sec[:sec.index("</section>")]
+    assert "Planned FP8 share of the linear layers' GEMM FLOPs: 0%" in sec
+    row = sec[sec.index(">channels<"):]
+    row = row[:row.index("</tr>")]
+    # tensorwise and rowwise fail the outlier-channel layer, MXFP8 meets the budget there
+    cells = row.split("<td ")[2:8]
+    assert [("ok" in c.split(">")[0]) for c in cells] == [False, False, False, False, True, False]
+    no_fp8 = {k: v for k, v in audit.items() if k != "fp8"}
+    assert 'id="fp8"' not in render_html(no_fp8, policy)
+    broken = dict(audit, fp8={"layers": [{"name": 1, "recipes": 5}], "recipes": {"x": {}}})
+    assert 'id="fp8"' not in render_html(broken, policy)  # a hand-edited section is left out, not a crash

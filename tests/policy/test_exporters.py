@@ -1,0 +1,291 @@
+"""Exporters (`precision-audit export POLICY --to ...`): each output uses only its target's documented keys and
+values, says what it cannot express, and the generated Python runs (FSDP for real on a one-process gloo group;
+Lightning / Accelerate against recording stand-ins, and against the real libraries where they are installed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from precision_audit.cli.export import export_main
+from precision_audit.errors import OptionError, PolicyError
+from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout, save_policy
+from precision_audit.policy.exporters import EXPORT_TARGETS, export_policy
+
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
+sys.path.insert(0, str(ROOT / "sample_models" / "fp16_trouble"))
+import model as fp16_trouble  # noqa: E402
+
+# Documented keys (DeepSpeed docs "Configuration JSON", FP16 and BF16 training options; DeepSpeed 0.19
+# runtime/precision_config.py DeepSpeedFP16Config / DeepSpeedBF16Config, which forbid any other key).
+DEEPSPEED_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                       "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+DEEPSPEED_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                       "bf16_optimizer_states"}
+# lightning.fabric.connector._PRECISION_INPUT_STR (Lightning 2.x) and accelerate.utils.PrecisionType.
+LIGHTNING_PRECISIONS = {"transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true",
+                        "bf16-mixed", "32-true", "64-true"}
+ACCELERATE_PRECISIONS = {"no", "fp8", "fp16", "bf16"}
+
+
+def policy_for(default: str, overrides: dict[str, str] | None = None, *, init_scale: float = 131072.0,
+               scaling: bool = True, tf32: bool = False) -> Policy:
+    m = fp16_trouble.build_model()
+    fp, n = fingerprint(m)
+    return Policy(model_class="FP16Trouble", model_fingerprint=fp, model_modules=n, target_name="V100 SXM2",
+                  target_compute_capability=(7, 0), default_format=default,
+                  modules={k: ModuleOverride(v, f"reason for {k}") for k, v in (overrides or {}).items()},
+                  loss_scaling=LossScaling(enabled=scaling, init_scale=init_scale), tf32_matmul=tf32,
+                  tf32_cudnn=tf32, model_layout=model_layout(m))
+
+
+POLICIES = {
+    "fp16+hot": policy_for("fp16", {"hot": "fp32"}),
+    "bf16": policy_for("bf16", scaling=False),
+    "bf16+fp16-head": policy_for("bf16", {"head": "fp16", "faint": "fp32"}),
+    "fp32+bf16-faint": policy_for("fp32", {"faint": "bf16"}, scaling=False, tf32=True),
+    "tf32": policy_for("tf32", scaling=False),
+    "fp16-odd-scale": policy_for("fp16", init_scale=3000.0),
+    "fp16-no-scaling": policy_for("fp16", scaling=False),
+}
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_deepspeed_uses_documented_keys_only(name):
+    p = POLICIES[name]
+    out = export_policy(p, "deepspeed")
+    cfg = json.loads(out.text)
+    assert out.suffix == ".json"
+    assert set(cfg) <= {"fp16", "bf16", "precision_audit"}
+    assert set(cfg.get("fp16", {})) <= DEEPSPEED_FP16_KEYS
+    assert set(cfg.get("bf16", {})) <= DEEPSPEED_BF16_KEYS
+    assert cfg["precision_audit"]["cannot_express"] == list(out.notes)
+    whole = p.effective_format("")
+    assert cfg.get("fp16", {}).get("enabled", False) == (whole == "fp16")
+    assert cfg.get("bf16", {}).get("enabled", False) == (whole == "bf16")
+    for module in p.modules:
+        assert any(module in n for n in out.notes), f"{module} must be listed as not expressible"
+
+
+def test_deepspeed_fp16_block_carries_the_loss_scaling():
+    p = POLICIES["fp16+hot"]
+    fp16 = json.loads(export_policy(p, "deepspeed").text)["fp16"]
+    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 17, "loss_scale_window": 2000,
+                    "hysteresis": 2, "min_loss_scale": 1}
+    assert 2 ** fp16["initial_scale_power"] == p.loss_scaling.init_scale
+    odd = export_policy(POLICIES["fp16-odd-scale"], "deepspeed")
+    assert json.loads(odd.text)["fp16"]["initial_scale_power"] == round(math.log2(3000))
+    assert any("not a power of two" in n for n in odd.notes)
+    static = json.loads(export_policy(POLICIES["fp16-no-scaling"], "deepspeed").text)["fp16"]
+    assert static == {"enabled": True, "loss_scale": 1.0}
+
+
+def test_deepspeed_config_parses_with_deepspeed_itself():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for name, p in POLICIES.items():
+        cfg = json.loads(export_policy(p, "deepspeed").text)
+        c = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, **cfg})
+        assert c.float16_config.enabled == ("fp16" in cfg and cfg["fp16"]["enabled"]), name
+
+
+# -- Python snippets -----------------------------------------------------------------------------------------
+
+class Recorder:
+    """A stand-in class recording how it was called."""
+
+    calls: list
+
+    def __init__(self, *args, **kwargs):
+        type(self).calls.append((args, kwargs))
+        self.args, self.kwargs = args, kwargs
+
+
+def fake_modules(monkeypatch) -> dict[str, type]:
+    made = {}
+    for mod_name, cls_names in {"lightning": ["Trainer"], "lightning.pytorch": [],
+                                "lightning.pytorch.plugins": ["MixedPrecision"], "accelerate": ["Accelerator"],
+                                "accelerate.utils": ["GradScalerKwargs"]}.items():
+        mod = types.ModuleType(mod_name)
+        for c in cls_names:
+            made[c] = type(c, (Recorder,), {"calls": []})
+            setattr(mod, c, made[c])
+        monkeypatch.setitem(sys.modules, mod_name, mod)
+    return made
+
+
+def run_snippet(text: str) -> dict:
+    ns: dict = {"__name__": "exported"}
+    exec(compile(text, "<exported>", "exec"), ns)
+    return ns
+
+
+@pytest.fixture
+def policy_file(tmp_path):
+    def write(p: Policy) -> str:
+        path = tmp_path / "policy.json"
+        save_policy(p, path)
+        return str(path)
+    return write
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_lightning_snippet(name, monkeypatch, policy_file):
+    p = POLICIES[name]
+    made = fake_modules(monkeypatch)
+    scaler_cls = type("GradScaler", (Recorder,), {"calls": []})
+    monkeypatch.setattr(torch.amp, "GradScaler", scaler_cls)  # torch.amp.GradScaler("cuda") disables itself on CPU
+    out = export_policy(p, "lightning", policy_path=policy_file(p))
+    assert out.suffix == ".py"
+    for n in out.notes:
+        assert n[:60] in out.text, "every note is written into the file"
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        ns = run_snippet(out.text)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == \
+            ((True, True) if p.default_format == "tf32" else (p.tf32_matmul, p.tf32_cudnn))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    kw = ns["trainer_kwargs"]
+    if p.default_format == "fp16":
+        ((args, kwargs),) = made["MixedPrecision"].calls
+        assert args == ("16-mixed", "cuda")
+        ls = p.loss_scaling
+        assert kwargs["scaler"].args == ("cuda",) and kwargs["scaler"].kwargs == {
+            "init_scale": ls.init_scale, "growth_factor": ls.growth_factor, "backoff_factor": ls.backoff_factor,
+            "growth_interval": ls.growth_interval, "enabled": ls.enabled}
+        assert kw == {"plugins": [ns["precision_plugin"]]}
+    else:
+        assert kw["precision"] in LIGHTNING_PRECISIONS
+        assert kw["precision"] == {"bf16": "bf16-mixed", "fp32": "32-true", "tf32": "32-true"}[p.default_format]
+    model = fp16_trouble.build_model()
+    handle = ns["apply_precision_policy"](model)
+    assert handle.modules == {k: o.format for k, o in p.modules.items()}
+    handle.remove()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_accelerate_snippet(name, monkeypatch, policy_file):
+    p = POLICIES[name]
+    made = fake_modules(monkeypatch)
+    out = export_policy(p, "accelerate", policy_path=policy_file(p))
+    ns = run_snippet(out.text)
+    kw = ns["accelerator_kwargs"]
+    assert kw["mixed_precision"] in ACCELERATE_PRECISIONS
+    if p.default_format == "fp16":
+        ((_, scaler_kw),) = made["GradScalerKwargs"].calls
+        ls = p.loss_scaling
+        assert scaler_kw == {"init_scale": ls.init_scale, "growth_factor": ls.growth_factor,
+                             "backoff_factor": ls.backoff_factor, "growth_interval": ls.growth_interval,
+                             "enabled": ls.enabled}
+    else:
+        assert "kwargs_handlers" not in kw
+    handle = ns["apply_precision_policy"](fp16_trouble.build_model())
+    assert set(handle.modules) == set(p.modules)
+    handle.remove()
+
+
+def test_lightning_and_accelerate_snippets_with_the_real_libraries(policy_file):
+    pytest.importorskip("lightning")
+    pytest.importorskip("accelerate")
+    import lightning as L
+    from accelerate import Accelerator
+
+    p = POLICIES["bf16+fp16-head"]
+    path = policy_file(p)
+    ns = run_snippet(export_policy(p, "lightning", policy_path=path).text)
+    L.Trainer(**ns["trainer_kwargs"], accelerator="cpu", logger=False, enable_checkpointing=False)
+    ns = run_snippet(export_policy(p, "accelerate", policy_path=path).text)
+    assert Accelerator(**ns["accelerator_kwargs"], cpu=True).mixed_precision == "bf16"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("name", ["fp16+hot", "bf16+fp16-head", "fp32+bf16-faint"])
+def test_fsdp_snippet_runs_on_a_one_process_group(name, policy_file):
+    """The generated FSDP1 and FSDP2 helpers wrap the model and run it (gloo, world size 1, CPU)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    p = POLICIES[name]
+    out = export_policy(p, "fsdp", policy_path=policy_file(p))
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ns = run_snippet(out.text)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    mp = ns["mixed_precision"]
+    whole = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(p.default_format)
+    if whole is None:
+        assert mp is None
+    else:
+        assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (whole, torch.float32, torch.float32)
+    assert set(ns["MODULE_FORMATS"]) == set(p.modules)
+    formats = {p.default_format, *[o.format for o in p.modules.values()]}
+    assert (ns["scaler"] is not None) == (p.loss_scaling.enabled or "fp16" in formats)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        x, _ = fp16_trouble.sample_batch()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fsdp1 = ns["wrap_fsdp1"](fp16_trouble.build_model(), device_id=torch.device("cpu"))
+            fsdp2 = ns["shard_fsdp2"](fp16_trouble.build_model())
+        assert all("." not in n for n in p.modules), "these cases override top-level modules only"
+        for model in (fsdp1, fsdp2):
+            seen: dict[str, torch.dtype] = {}
+            for n in p.modules:
+                model.get_submodule(n).register_forward_hook(
+                    lambda m, i, o, n=n, seen=seen: seen.__setitem__(n, o.dtype))
+            y = model(x)
+            assert y.dtype == (whole or torch.float32)
+            # every unit ran, and its output was cast back to its parent's (here: the model's) dtype
+            assert seen == {n: whole or torch.float32 for n in p.modules}
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the command -------------------------------------------------------------------------------------------
+
+def test_export_command_to_stdout_and_to_a_file(tmp_path, capsys, policy_file):
+    path = policy_file(POLICIES["fp16+hot"])
+    assert export_main([path, "--to", "deepspeed"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["fp16"]["initial_scale_power"] == 17 and cap.err == ""
+    out = tmp_path / "cfg" / "lightning_precision.py"
+    assert export_main([path, "--to", "lightning", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == "" and "wrote lightning settings" in cap.err and "note: " in cap.err and "hot" in cap.err
+    compile(out.read_text(), str(out), "exec")
+    for target in EXPORT_TARGETS:
+        assert export_main([path, "--to", target, "--out", str(tmp_path / f"x.{target}")]) == 0
+
+
+def test_export_command_user_errors(tmp_path, capsys, policy_file):
+    path = policy_file(POLICIES["bf16"])
+    with pytest.raises(SystemExit) as e:
+        export_main([path, "--to", "megatron"])
+    assert e.value.code == 2 and "invalid choice: 'megatron'" in capsys.readouterr().err
+    with pytest.raises(PolicyError, match="no policy file"):
+        export_main([str(tmp_path / "missing.json"), "--to", "fsdp"])
+    (tmp_path / "bad.json").write_text('{"schema": "precision-audit/policy", "version": 7}')
+    with pytest.raises(PolicyError, match="'version' is 7"):
+        export_main([str(tmp_path / "bad.json"), "--to", "fsdp"])
+    with pytest.raises(OptionError):
+        export_policy(POLICIES["bf16"], "megatron")
