@@ -136,6 +136,15 @@ def _reset(model: torch.nn.Module, state: ModelState, seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _history_note(history_steps: int) -> str:
+    if history_steps > 1:
+        return (f"delayed scaling: the amax history holds {history_steps - 1} earlier FP32 step(s) of the "
+                "audited batch (weights unchanged between them, dropout drawn anew); step "
+                f"{history_steps - 1} is the audited one")
+    return ("delayed scaling: no earlier steps, so the audited step uses Transformer Engine's initial "
+            "scale 1 (the first training step)")
+
+
 def _measure(model, forward, loss_of, names, state, seed, history_steps) -> Fp8Result:
     linears = _linears(model)
     calls: dict[torch.nn.Linear, list[_Call]] = {m: [] for m in linears}
@@ -167,17 +176,10 @@ def _measure(model, forward, loss_of, names, state, seed, history_steps) -> Fp8R
     layers = {m: LayerResult(name, m.in_features, m.out_features, sum(c.x.numel() // max(1, c.x.shape[-1])
                                                                     for c in calls[m]), len(calls[m]))
               for m, name in linears.items()}
-    notes: list[str] = []
+    notes = [_history_note(history_steps)]
 
     # -- delayed scaling: amax histories from earlier steps of the same batch (other dropout draws)
     histories = _amax_histories(model, forward, loss_of, linears, state, seed, history_steps - 1)
-    if history_steps > 1:
-        notes.append(f"delayed scaling: the amax history holds {history_steps - 1} earlier FP32 step(s) of the "
-                     "audited batch (weights unchanged between them, dropout drawn anew); step "
-                     f"{history_steps - 1} is the audited one")
-    else:
-        notes.append("delayed scaling: no earlier steps, so the audited step uses Transformer Engine's initial "
-                     "scale 1 (the first training step)")
 
     def fresh_state(recipe: Recipe, m) -> Fp8State:
         st = Fp8State(recipe)

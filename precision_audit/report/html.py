@@ -269,19 +269,20 @@ def build_view(audit: Mapping[str, Any], policy: Mapping[str, Any] | None) -> di
     from ..fp8.report import fp8_view  # the FP8 section (issue 16, docs/fp8.md)
     view["fp8"] = fp8_view(audit)
 
-    # Policy text, embedded three ways: shown, as a JSON data block, and as a download link.
-    if policy is not None:
-        text = json.dumps(policy, indent=2)
-        view["policy_text"] = text
-        # Inside <script>, "<" written as \u003c keeps "</script>" and "<!--" out of the raw text; JSON
-        # parses it back to the same string.
-        view["policy_script"] = Markup(text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
-        view["policy_href"] = "data:application/json;charset=utf-8," + urllib.parse.quote(text + "\n", safe="")
-    else:
-        view["policy_text"] = None
-        view["policy_script"] = Markup("null")
-        view["policy_href"] = None
+    view.update(_policy_view(policy))
     return view
+
+
+def _policy_view(policy: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The policy text, embedded three ways: shown, as a JSON data block, and as a download link."""
+    if policy is None:
+        return {"policy_text": None, "policy_script": Markup("null"), "policy_href": None}
+    text = json.dumps(policy, indent=2)
+    # Inside <script>, "<" written as \u003c keeps "</script>" and "<!--" out of the raw text; JSON parses it
+    # back to the same string.
+    return {"policy_text": text,
+            "policy_script": Markup(text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")),
+            "policy_href": "data:application/json;charset=utf-8," + urllib.parse.quote(text + "\n", safe="")}
 
 
 def _memory_view(memory: Mapping[str, Any]) -> dict[str, Any]:

@@ -34,8 +34,16 @@ def _env() -> dict[str, str]:
 
 
 def audit(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "precision_audit", *args, "-q"], capture_output=True, text=True,
-                          env=_env(), timeout=timeout, cwd=ROOT)
+    # its own session, so that a timeout ends the ranks too, not only the launcher
+    with subprocess.Popen([sys.executable, "-m", "precision_audit", *args, "-q"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _compare(model: str, tmp_path: Path, *extra: str) -> tuple[dict, dict]:

@@ -201,7 +201,11 @@ def test_lightning_and_accelerate_snippets_with_the_real_libraries(policy_file):
     pytest.importorskip("accelerate")
     import lightning as L
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    # a Trainer earlier in the session (tests/integrations) leaves accelerate's process-wide state set, and a new
+    # Accelerator with another mixed_precision then refuses to start
+    AcceleratorState._reset_state(reset_partial_state=True)
     p = POLICIES["bf16+fp16-head"]
     path = policy_file(p)
     ns = run_snippet(export_policy(p, "lightning", policy_path=path).text)
