@@ -38,14 +38,14 @@ from precision_audit.cli import main
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, save_policy
 from precision_audit.policy.exporters import export_policy
 
-PY_TARGETS = ("lightning", "accelerate", "fsdp")
+PY_TARGETS = ("lightning", "accelerate", "fsdp", "torchao")
 FP = "sha256:" + "0" * 64
 
 # Runs exported files with stand-ins for the libraries they import; prints one JSON line (the load_policy
 # calls) after them, so anything the exported code printed shows up before it.
 RUNNER = r'''
 import importlib.abc, importlib.machinery, json, sys, types
-ROOTS = {"torch", "lightning", "accelerate", "precision_audit"}
+ROOTS = {"torch", "torchao", "lightning", "accelerate", "precision_audit"}
 calls = []
 
 class Stub:
