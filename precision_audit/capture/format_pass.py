@@ -32,32 +32,6 @@ from .stats import ErrorStats
 class FormatPasses(SessionState):
     """The low-precision passes of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
-    # state of the session this part reads and writes (see CaptureSession.__init__)
-    config: Any
-    model: torch.nn.Module
-    layers: dict[int, LayerRecord]
-    runs: dict[Format, RunRecord]
-    # the session's other state and helpers this part uses (capture/session.py), declared for the type checker
-    _phase: Format | str | None
-    _names: dict[int, str]
-    _modules: dict[int, torch.nn.Module]
-    _refs: Any
-    _ref_outputs: dict[int, list[list[torch.Tensor]]]
-    _ref_grad_nonfinite: dict[int, torch.Tensor]
-    _stat_cache: dict[tuple, tuple[torch.Tensor, Any]]
-    _use_gemm_mode: bool
-    _reset: Any
-    _run: Any
-    _autocast: Any
-    _same_draws: Any
-    _call_index: dict[int, int]
-    _stack: list[int]
-    _forward: Any
-    _loss_of: Any
-    _backward_context: Any
-    _error_of: Any
-    _summary_of: Any
-
     def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
         """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""
         self._reset()

@@ -38,37 +38,6 @@ CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its ch
 class ReferencePass(SessionState):
     """The FP32 reference pass of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
-    # state of the session this part reads and writes (see CaptureSession.__init__)
-    config: Any
-    model: torch.nn.Module
-    layers: dict[int, LayerRecord]
-    grad_all: MagnitudeHistogram
-    reference: RunRecord | None
-    # the session's other state and helpers this part uses (capture/session.py), declared for the type checker
-    _phase: Format | str | None
-    _names: dict[int, str]
-    _modules: dict[int, torch.nn.Module]
-    _refs: Any
-    _ref_outputs: dict[int, list[list[torch.Tensor]]]
-    _ref_grad_nonfinite: dict[int, torch.Tensor]
-    _stat_cache: dict[tuple, tuple[torch.Tensor, Any]]
-    _use_gemm_mode: bool
-    _reset: Any
-    _run: Any
-    _autocast: Any
-    _same_draws: Any
-    _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
-    _loss_ref: Any
-    _clone_cache: dict[int, tuple[int, torch.Tensor]]
-    _impacts_only: bool
-    _call_ops: dict[tuple[int, int], tuple[int, int]]
-    _rerunning: bool
-    _fp32_reference_switches: Any
-    _rng_state: Any
-    _set_rng_state: Any
-    _hist_of: Any
-    _clone_ref: Any
-
     def reference_run(self) -> RunRecord:
         """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
         self._reset()

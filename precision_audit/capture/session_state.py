@@ -40,6 +40,8 @@ class SessionState:
     _phase: Format | str | None
     _use_gemm_mode: bool
     _rerunning: bool
+    _impacts_only: bool  # the second reduction order's repeat: loss impacts only (docs/performance.md)
+    _call_ops: dict[tuple[int, int], tuple[int, int]]  # each call's op counts from the first pass
     _stack: list[int]
     _call_index: dict[int, int]
     _ref_outputs: dict[int, list[list[torch.Tensor]]]
@@ -56,7 +58,7 @@ class SessionState:
     _rng_state: Callable[[], RngState]
     _set_rng_state: Callable[[RngState], None]
     _autocast: Callable[[Format], AbstractContextManager[None]]
-    _backward_context: Callable[[], AbstractContextManager[None]]
+    _backward_context: Callable[..., AbstractContextManager[None]]  # (fmt: Format | None = None)
     _fp32_reference_switches: Callable[[], AbstractContextManager[None]]
     _same_draws: Callable[..., AbstractContextManager[None]]
     _hist_of: Callable[[torch.Tensor], MagnitudeHistogram]
