@@ -48,6 +48,7 @@ from .op_tracker import OpTracker
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import ReferencePass, snapshot_state
 from .reference_store import ReferenceStore
+from .rerun_memo import RerunMemo
 from .rng_replay import RandomDraws, recording, replaying
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
@@ -160,6 +161,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         # kernel with no Half/BFloat16 implementation (then every later pass uses it).
         self._use_gemm_mode = False
         self._timer = StepTimer(self)
+        # a module's re-run takes the outputs of its children's own re-runs where they are certain to be the
+        # same bits (emulated mode: the CPU generator and kernels; capture/rerun_memo.py)
+        self._memo = RerunMemo(config.mode == "emulated", model)
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:
@@ -231,6 +235,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._call_index.clear()
         self._stat_cache.clear()
         self._producers.clear()
+        self._memo.clear()
         self._loss_ref = None
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -384,6 +389,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             if self._phase == "ref":
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
+                self._memo.enter(m, args, kwargs)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._phase == "profile":
@@ -407,7 +413,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         ys = float_tensors(output)
         diffs: dict[Format, list[torch.Tensor]] = {}
         if self._phase == "ref":
-            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
+            frame = self._memo.leave(m)
+            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, (*pre_rng, frame), own_work)
+            self._memo.release(m)
         else:
             self._post_format(m, rec, ys)
         for i, y in enumerate(ys):
