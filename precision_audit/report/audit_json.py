@@ -89,12 +89,6 @@ def as_stored(record: R.AuditRecord) -> R.AuditRecord:
     return read(R.AuditRecord, to_json(record))
 
 
-def as_document(audit: R.AuditRecord | Any) -> Any:
-    """audit.json's content for the readers that still take it as a mapping (report/html.py, notebook.py,
-    tensorboard.py): a record is written out, a mapping (a saved audit.json, already validated) passed on."""
-    return to_json(audit) if isinstance(audit, R.AuditRecord) else audit
-
-
 def as_record(audit: R.AuditRecord | Any) -> R.AuditRecord:
     """The record of ``audit``: a record as is, audit.json's content (already validated) read into one."""
     return audit if isinstance(audit, R.AuditRecord) else read(R.AuditRecord, audit)

@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import record as R
 from .numbers import fmt_num, fmt_scale
-from .view import _is_gap, _note, given, relative_to_fp32, speedup, step_time, summary_of
+from .picks import given, is_gap, note_of, relative_to_fp32, speedup, step_time, summary_of
 
 
 def _override_groups(plan: R.PlanReport) -> dict[str, list[str]]:
@@ -51,7 +51,7 @@ def headline(audit: R.AuditRecord, formats: list[str]) -> dict[str, Any]:
     else:
         st = step_time(audit, d) if summary_of(audit, d) is not None else step_time(audit, "fp32")
         note = st.estimated_note if st is not None else None
-        h["speedup"] = note if _is_gap(note) else "not measured: no estimated step time in this audit.json"
+        h["speedup"] = note if is_gap(note) else "not measured: no estimated step time in this audit.json"
         h["speedup_ok"] = False
 
     h["loss"], h["loss_ok"] = _expected_loss(audit, d)
@@ -122,12 +122,12 @@ def warnings(audit: R.AuditRecord, formats: list[str]) -> list[str]:
         st = step_time(audit, f)
         for note, what in ((st.measured_note if st else None, "measured step time"),
                            (st.estimated_note if st else None, "estimated step time")):
-            if _is_gap(note):
+            if is_gap(note):
                 notes.append(f"{what}: {note}")
     layers = audit.layers or []
     notes += [f"Tensor Core alignment: {L.alignment_note}" for L in layers
-              if not L.alignment and _is_gap(L.alignment_note)]
-    notes += [f"per-layer cost: {L.cost_note}" for L in layers if not given(L.cost) and _is_gap(L.cost_note)]
+              if not L.alignment and is_gap(L.alignment_note)]
+    notes += [f"per-layer cost: {L.cost_note}" for L in layers if not given(L.cost) and is_gap(L.cost_note)]
     local_missing: dict[str, list[str]] = {}
     for L in layers:
         for e in (L.error or {}).values():
@@ -138,12 +138,12 @@ def warnings(audit: R.AuditRecord, formats: list[str]) -> list[str]:
         notes.append(f"local error not measured for {', '.join(uniq[:5])}{' …' if len(uniq) > 5 else ''}: {note}")
     memory = audit.memory if isinstance(audit.memory, R.Memory) else None
     for rec in ((memory.per_format if memory else None) or {}).values():
-        if isinstance(rec, R.FormatMemory) and _is_gap(rec.peak_note):
+        if isinstance(rec, R.FormatMemory) and is_gap(rec.peak_note):
             notes.append(f"peak GPU memory: {rec.peak_note}")
     for key, what in (("verify", "A/B training run (precision-audit verify)"), ("memory", "memory per format"),
                       ("estimates", "step-time estimates")):
         if not given(getattr(audit, key)):
-            notes.append(f"{what}: " + _note(audit, key, "not measured: not in this audit.json"))
+            notes.append(f"{what}: " + note_of(audit, key, "not measured: not in this audit.json"))
     for n in notes:
         if n not in w:
             w.append(n)

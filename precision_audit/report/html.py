@@ -32,7 +32,7 @@ from markupsafe import Markup, escape
 from ..record import AuditRecord
 from . import charts
 from .numbers import _label, fmt_bytes, fmt_db, fmt_num, fmt_pct, fmt_scale, fmt_seconds, fmt_value, severity
-from .view import BAND_FORMATS, SECTIONS, build_view
+from .view import BAND_FORMATS, SECTIONS, build_view, given
 
 __all__ = ["BAND_FORMATS", "SECTIONS", "TEMPLATE", "build_view", "fmt_num", "fmt_scale", "generic_html",
            "render_html"]
@@ -72,6 +72,12 @@ def generic_html(value: Any, key: str = "", depth: int = 0) -> Markup:
     return escape(fmt_value(key, value))
 
 
+def opt(section: Any, name: str, default: Any) -> Any:
+    """The template's reading of an optional field: ``default`` when the file left the field out (the record's
+    ``absent``), else its value (None for an explicit null, shown as such)."""
+    return default if section is None or name in getattr(section, "absent", ()) else getattr(section, name)
+
+
 # --- rendering --------------------------------------------------------------------------------------------
 
 
@@ -87,7 +93,7 @@ def _env() -> jinja2.Environment:
     env.filters.update(num=fmt_num, pct=fmt_pct, db=fmt_db, seconds=fmt_seconds, bytes=fmt_bytes,
                        scale=fmt_scale, value=lambda v, key="": fmt_value(key, v), generic=generic_html, label=_label)
     env.globals.update(severity=severity, isfinite=lambda x: x is not None and math.isfinite(x),
-                       series_class=charts.series_class, fmt_value=fmt_value, asset=_asset)
+                       series_class=charts.series_class, fmt_value=fmt_value, asset=_asset, given=given, opt=opt)
     return env
 
 
@@ -102,9 +108,9 @@ def render_html(audit: AuditRecord, policy: Mapping[str, Any] | None, generated:
     if not isinstance(audit, AuditRecord):
         raise TypeError(f"render_html takes the audit's record (precision_audit.record.AuditRecord), not "
                         f"{type(audit).__name__}: read a saved audit.json with report.audit_json.from_json")
-    from .audit_json import as_stored, to_json
+    from .audit_json import as_stored
 
     stored = as_stored(audit)  # non-finite figures as the file holds them (None, shown as "inf/NaN")
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
     view = build_view(stored, policy)
-    return _env().get_template(TEMPLATE).render(a=to_json(stored), r=stored, v=view, policy=policy, generated=when)
+    return _env().get_template(TEMPLATE).render(a=stored, v=view, policy=policy, generated=when)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from markupsafe import Markup
@@ -27,8 +27,25 @@ from markupsafe import Markup
 from .. import record as R
 from ..formats import RANGE_FORMATS, SPECS, Format
 from . import charts
-from .audit_json import to_json
+from .audit_json import read, to_json
+from .headline import headline, warnings
 from .numbers import fmt_num, fmt_value
+from .picks import (
+    CURVE_KEYS,
+    cost_times,
+    gemm_rows,
+    given,
+    is_gap,
+    is_number,
+    loss_curve_series,
+    misaligned_rows,
+    note_of,
+    output_gradient,
+    relative_to_fp32,
+    speedup,
+    step_time,
+    summary_of,
+)
 
 # The section ids every report has, in page order (tests check them; the table of contents links them).
 SECTIONS: tuple[tuple[str, str], ...] = (
@@ -50,164 +67,11 @@ SECTIONS: tuple[tuple[str, str], ...] = (
 # Formats whose ranges the range chart draws as bands (limits from precision_audit.formats.SPECS).
 BAND_FORMATS: tuple[Format, ...] = RANGE_FORMATS
 
-#: The names an older ``verify`` section used for its loss curves (shown apart from the rest of the section).
-_CURVE_KEYS = ("curves", "loss_curves", "losses", "runs")
-
-
-# --- reading the record ------------------------------------------------------------------------------------
-
-
-def given(section: Any) -> bool:
-    """Whether an optional section holds anything: not None, and not an empty object in the file (a read
-    record whose every field was absent)."""
-    if isinstance(section, R.Section):
-        return bool(to_json(section))
-    return bool(section)
-
-
-def _is_gap(note: Any) -> bool:
-    """Whether a ``*_note`` says something was not measured (rather than, say, "no computation of its own")."""
-    return isinstance(note, str) and note.lower().startswith(("not measured", "not estimated", "not available"))
-
-
-def summary_of(audit: R.AuditRecord, f: str) -> R.ReferenceSummary | R.FormatSummary | None:
-    """``summary.<f>``: the FP32 reference for ``"fp32"``, else that format's pass (None when it has none)."""
-    return audit.summary.fp32 if f == "fp32" else audit.summary.formats.get(f)
-
-
-def step_time(audit: R.AuditRecord, f: str) -> R.StepTime | None:
-    s = summary_of(audit, f)
-    return s.step_time if s is not None and isinstance(s.step_time, R.StepTime) else None
-
-
-def _note(audit: R.AuditRecord, key: str, default: str) -> str:
-    """A top-level ``<key>_note`` of the file (an older or hand-edited audit.json), else ``default``."""
-    n = audit.extra.get(f"{key}_note")
-    return n if isinstance(n, str) and n else default
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def cost_times(cost: R.LayerCost | None, formats: Sequence[str] | None = None,
-               kind: str = "estimated") -> dict[str, float]:
-    """Per-format times (seconds) from a layer's cost: ``estimated_step_time_s`` (the target estimate) or, with
-    ``kind="measured"``, ``measured_forward_time_s`` (an older file's ``estimated_s`` / ``measured_s`` too).
-    ``formats`` None: all."""
-    if not isinstance(cost, R.LayerCost):
-        return {}
-    field, old = (("estimated_step_time_s", "estimated_s") if kind == "estimated"
-                  else ("measured_forward_time_s", "measured_s"))
-    flat = getattr(cost, field)
-    if flat is None:
-        flat = cost.extra.get(old)
-    if not isinstance(flat, Mapping):
-        return {}
-    return {str(f): float(t) for f, t in flat.items() if (formats is None or f in formats) and _number(t)}
-
-
-def alignment_findings(alignment: Any) -> list[dict[str, Any]]:
-    """A layer's alignment records (one per GEMM/conv/attention op that ran): a list, or ``{"findings": [...]}``."""
-    if isinstance(alignment, Mapping):
-        alignment = next((alignment[k] for k in ("findings", "ops") if alignment.get(k) is not None), None)
-    if isinstance(alignment, (list, tuple)):
-        return [dict(a) for a in alignment if isinstance(a, Mapping)]
-    return []
-
-
-def misaligned_rows(layers: Sequence[R.LayerReport]) -> list[dict[str, Any]]:
-    """One row per misaligned dimension of an op that ran (the same dim for several formats is one row)."""
-    rows = []
-    for i, L in enumerate(layers):
-        for op in alignment_findings(L.alignment):
-            groups: dict[tuple, list[Mapping[str, Any]]] = {}
-            for d in op.get("dims") or []:
-                if isinstance(d, Mapping) and d.get("aligned") is False:
-                    key = (d.get("dim"), d.get("size"), d.get("required_multiple"), d.get("suggested_size"))
-                    groups.setdefault(key, []).append(d)
-            for (dim, size, multiple, suggested), ds in groups.items():
-                fmts = [str(d.get("format")) for d in ds]
-                saving = op.get("estimated_saving_s") or {}
-                rows.append({
-                    "index": i, "module": L.name or "(model)", "op": op.get("op"), "kind": op.get("kind"),
-                    "gemm": op.get("gemm") or {}, "calls": op.get("calls"), "dim": dim, "dim_name": ds[0].get("name"),
-                    "size": size, "formats": fmts, "multiple": multiple, "suggested": suggested,
-                    "efficient_multiple": ds[0].get("efficient_multiple"),
-                    "efficient_size": ds[0].get("efficient_size"),
-                    "tile_waste_pct": ds[0].get("tile_waste_pct"), "cost": ds[0].get("cost"),
-                    "saving": {f: saving.get(f) for f in fmts
-                               if isinstance(saving, Mapping) and saving.get(f) is not None},
-                    "measured": op.get("measured"), "note": op.get("note")})
-    return rows
-
-
-def gemm_rows(layers: Sequence[R.LayerReport]) -> list[dict[str, Any]]:
-    """Every GEMM/conv/attention op that ran, with its shape, FLOPs and estimated time per format."""
-    rows = []
-    for i, L in enumerate(layers):
-        for op in alignment_findings(L.alignment):
-            dims = [d for d in op.get("dims") or [] if isinstance(d, Mapping)]
-            bad = sorted({f"{d.get('dim')}={d.get('size')}" for d in dims if d.get("aligned") is False})
-            below = sorted({f"{d.get('dim')}={d.get('size')}" for d in dims
-                            if d.get("aligned") and d.get("efficient_size") not in (None, d.get("size"))})
-            rows.append({"index": i, "module": L.name or "(model)", "op": op.get("op"),
-                         "kind": op.get("kind"), "gemm": op.get("gemm") or {}, "calls": op.get("calls"),
-                         "flops": op.get("flops"), "times": op.get("estimated_step_time_s") or {},
-                         "padded": op.get("estimated_padded_step_time_s") or {}, "misaligned": bad,
-                         "below_tier": below, "note": op.get("note")})
-    return rows
-
-
-def loss_curve_series(verify: R.VerifyResult | None) -> dict[str, list[float | None]]:
-    """The verification's loss curves, run name -> loss per step (``curves``; an older file's
-    ``loss_curves``/``losses``/``runs``, kept in the record's ``extra``)."""
-    if not isinstance(verify, R.VerifyResult):
-        return {}
-    src: Any = verify.curves if verify.curves is not None else next(
-        (verify.extra[k] for k in _CURVE_KEYS[1:] if verify.extra.get(k) is not None), None)
-    out: dict[str, list[float | None]] = {}
-    if isinstance(src, Mapping):
-        for name, v in src.items():
-            if isinstance(v, Mapping):
-                v = next((v[k] for k in ("losses", "loss", "curve") if v.get(k) is not None), None)
-            if isinstance(v, (list, tuple)) and all(x is None or isinstance(x, (int, float)) for x in v):
-                out[str(name)] = [None if x is None else float(x) for x in v]
-    return out
-
-
-def speedup(audit: R.AuditRecord, f: str) -> float | None:
-    """Estimated speedup of the all-``f`` step over FP32 on the target: ``estimates.speedup_vs_fp32`` (or the
-    ratio of the two ``summary.<f>.step_time.estimated_s``)."""
-    est = audit.estimates
-    sp = (est.speedup_vs_fp32 or {}).get(f) if isinstance(est, R.Estimates) else None
-    if _number(sp):
-        return float(sp)
-    ref, mine = step_time(audit, "fp32"), step_time(audit, f)
-    ref_s, mine_s = (ref.estimated_s if ref else None), (mine.estimated_s if mine else None)
-    if not (ref_s and mine_s):
-        return None
-    ratio = ref_s / mine_s
-    return ratio if math.isfinite(ratio) else None  # 1e308 / 5e-324 overflows: no speedup to show
-
-
-def relative_to_fp32(change: Any, audit: R.AuditRecord) -> float | None:
-    """An absolute loss change (the loss's own units) as a change relative to the FP32 loss, the basis of every
-    other loss change the report shows; None when the FP32 loss is 0, absent or the quotient overflows."""
-    ref = audit.summary.fp32.loss
-    if not _number(change) or not _number(ref) or not ref:
-        return None
-    rel = abs(change) / abs(ref)
-    return rel if math.isfinite(rel) else None
-
-
 # --- the view model ---------------------------------------------------------------------------------------
 
 
 def build_view(audit: R.AuditRecord, policy: Mapping[str, Any] | None) -> dict[str, Any]:
     """Everything the template shows that is more than one field: picked, labelled, and charted."""
-    from .headline import headline, warnings
-
     formats: list[str] = list(audit.formats or [])
     layers = audit.layers or []
     est = audit.estimates if isinstance(audit.estimates, R.Estimates) else None
@@ -215,6 +79,12 @@ def build_view(audit: R.AuditRecord, policy: Mapping[str, Any] | None) -> dict[s
     all_formats = ["fp32", *formats]
 
     view: dict[str, Any] = {"sections": SECTIONS, "formats": formats}
+    # The template's per-format and per-layer records: a format without a summary entry, or a layer without an
+    # output gradient, reads as an empty record (every field None: "not measured").
+    view["summaries"] = {f: summary_of(audit, f) or read(R.FormatSummary, {}) for f in all_formats}
+    view["step_times"] = {f: step_time(audit, f) or read(R.StepTime, {}) for f in all_formats}
+    view["output_gradients"] = [output_gradient(L) or read(R.OutputGradient, {}) for L in layers]
+    view["options"] = list(to_json(audit.options).items())  # every option, those a later version adds included
     view["headline"] = headline(audit, formats)
     view["predicted_rel"] = relative_to_fp32(audit.plan.predicted_loss_change, audit)
     view["warnings"] = warnings(audit, formats)
@@ -234,13 +104,13 @@ def build_view(audit: R.AuditRecord, policy: Mapping[str, Any] | None) -> dict[s
     verify = audit.verify if given(audit.verify) else None
     curves = loss_curve_series(verify)
     view["chart_verify"] = charts.loss_curves(curves) if curves else None
-    view["verify_rest"] = ({k: v for k, v in to_json(verify).items() if k not in _CURVE_KEYS}
+    view["verify_rest"] = ({k: v for k, v in to_json(verify).items() if k not in CURVE_KEYS}
                            if isinstance(audit.verify, R.VerifyResult) else None)
-    view["verify_note"] = _note(audit, "verify", "not measured: this audit.json has no A/B training run "
+    view["verify_note"] = note_of(audit, "verify", "not measured: this audit.json has no A/B training run "
                                                  "(precision-audit verify trains one)")
 
-    view["memory"] = _memory_view(audit.memory) if given(audit.memory) else None
-    view["memory_note"] = _note(audit, "memory", "not measured: this audit.json has no memory figures")
+    view["memory"] = _memory_view(audit.memory) if isinstance(audit.memory, R.Memory) and given(audit.memory) else None
+    view["memory_note"] = note_of(audit, "memory", "not measured: this audit.json has no memory figures")
     from ..fp8.report import fp8_view  # the FP8 section (issue 16, docs/fp8.md): a map by nature
 
     view["fp8"] = fp8_view({"fp8": audit.fp8} if audit.fp8 is not None else {})
@@ -254,14 +124,14 @@ def _layer_views(view: dict[str, Any], audit: R.AuditRecord, layers: list[R.Laye
     """The layers' costs, alignment and charts."""
     view["layer_times"] = [cost_times(L.cost, all_formats) for L in layers]
     view["has_cost"] = any(given(L.cost) for L in layers)
-    view["cost_gaps"] = sorted({L.cost_note for L in layers if not given(L.cost) and _is_gap(L.cost_note)})
+    view["cost_gaps"] = sorted({L.cost_note for L in layers if not given(L.cost) and is_gap(L.cost_note)})
     view["misaligned"] = misaligned_rows(layers)  # audit.json files written before the ranked "alignment"
     view["gemms"] = gemm_rows(layers)
     view["gemm_formats"] = [f for f in dict.fromkeys(["fp32", "tf32", *formats])  # tf32 once, when audited too
                             if any(f in r["times"] for r in view["gemms"])]
     view["has_alignment"] = any(isinstance(L.alignment, (list, tuple, Mapping)) for L in layers)
     view["alignment_gaps"] = sorted({L.alignment_note for L in layers
-                                     if L.alignment is None and _is_gap(L.alignment_note)})
+                                     if L.alignment is None and is_gap(L.alignment_note)})
     # the ranking (analysis/alignment.py) is derived from the per-layer records: shown only alongside them
     ranked = audit.alignment
     view["alignment"] = to_json(ranked) if isinstance(ranked, R.AlignmentRanking) and view["has_alignment"] else None
@@ -294,8 +164,6 @@ def _memory_view(memory: R.Memory) -> dict[str, Any]:
     """``memory.per_format`` as table cells (text, sort value, "not measured" note), plus advice and note. The
     columns are the fields each format's record holds, in its order (a map by nature: a later version may add
     one)."""
-    from .html import generic_html
-
     per = memory.per_format
     recs = ([(str(f), to_json(rec)) for f, rec in per.items() if isinstance(rec, R.FormatMemory)]
             if isinstance(per, Mapping) else [])
@@ -311,14 +179,14 @@ def _memory_view(memory: R.Memory) -> dict[str, Any]:
             note = next((rec[k] for k in (c.replace("_bytes", "_note"), c.split("_")[0] + "_note")
                          if isinstance(rec.get(k), str)), None) if x is None else None
             text = fmt_value(c, x) if x is not None else ("not measured" if note else "—")
-            sort = x if _number(x) else ""
+            sort = x if is_number(x) else ""
             cells.append({"text": text, "v": sort, "note": note})
         rows.append((f, cells))
     advice: Any = memory.advice
     advice = [advice] if isinstance(advice, str) else list(advice or [])
     rest = {k: v for k, v in to_json(memory).items() if k not in ("per_format", "advice", "note")}
     return {"rows": rows, "cols": cols, "advice": advice, "note": memory.note,
-            "rest": generic_html(rest) if rest else None}
+            "rest": rest or None}  # every other field of the section (the template renders it generically)
 
 
 # --- charts -----------------------------------------------------------------------------------------------
@@ -332,9 +200,9 @@ def _error_chart(names: list[str], layers: list[R.LayerReport], formats: list[st
             e = (L.error or {}).get(f)
             loc = e.local if isinstance(e, R.LayerError) else None
             acc = e.accumulated if isinstance(e, R.LayerError) else None
-            s.local.append(loc.rel_l2 if given(loc) else None)
+            s.local.append(loc.rel_l2 if loc is not None and given(loc) else None)
             s.local_missing.append(loc is None)
-            s.accumulated.append(acc.rel_l2 if given(acc) else None)
+            s.accumulated.append(acc.rel_l2 if acc is not None and given(acc) else None)
         series[f] = s
     return charts.error_by_layer(names, series)
 
@@ -350,12 +218,6 @@ def _span(h: Any, amax: Any) -> tuple[float, float] | None:
     if lo_hi is None or not amax or amax <= 0:
         return None
     return (lo_hi[0], math.log2(amax))
-
-
-def output_gradient(L: R.LayerReport) -> R.OutputGradient | None:
-    g = L.gradient
-    out = g.output if isinstance(g, R.Gradient) else None
-    return out if isinstance(out, R.OutputGradient) else None
 
 
 def _ranges_chart(layers: list[R.LayerReport]) -> Markup:
@@ -410,5 +272,4 @@ def _grad_hist_chart(layers: list[R.LayerReport], ls: R.LossScale | None) -> tup
     return charts.exponent_histogram(counts, markers), note
 
 
-__all__ = ["BAND_FORMATS", "SECTIONS", "alignment_findings", "build_view", "cost_times", "gemm_rows",
-           "given", "loss_curve_series", "misaligned_rows", "relative_to_fp32", "speedup", "step_time", "summary_of"]
+__all__ = ["BAND_FORMATS", "SECTIONS", "build_view"]
