@@ -134,7 +134,7 @@ def _layer_views(view: dict[str, Any], audit: R.AuditRecord, layers: list[R.Laye
                                      if L.alignment is None and is_gap(L.alignment_note)})
     # the ranking (analysis/alignment.py) is derived from the per-layer records: shown only alongside them
     ranked = audit.alignment
-    view["alignment"] = to_json(ranked) if isinstance(ranked, R.AlignmentRanking) and view["has_alignment"] else None
+    view["alignment"] = ranked if isinstance(ranked, R.AlignmentRanking) and view["has_alignment"] else None
 
     ls = audit.loss_scale if given(audit.loss_scale) else None
     view["chart_error"] = _error_chart(names, layers, formats) if layers else None
