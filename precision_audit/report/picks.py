@@ -144,18 +144,9 @@ def loss_curve_series(verify: R.VerifyResult | None) -> dict[str, list[float | N
 
 
 def speedup(audit: R.AuditRecord, f: str) -> float | None:
-    """Estimated speedup of the all-``f`` step over FP32 on the target: ``estimates.speedup_vs_fp32`` (or the
-    ratio of the two ``summary.<f>.step_time.estimated_s``)."""
-    est = audit.estimates
-    sp = (est.speedup_vs_fp32 or {}).get(f) if isinstance(est, R.Estimates) else None
-    if sp is not None and is_number(sp):
-        return float(sp)
-    ref, mine = step_time(audit, "fp32"), step_time(audit, f)
-    ref_s, mine_s = (ref.estimated_s if ref else None), (mine.estimated_s if mine else None)
-    if not (ref_s and mine_s):
-        return None
-    ratio = ref_s / mine_s
-    return ratio if math.isfinite(ratio) else None  # 1e308 / 5e-324 overflows: no speedup to show
+    """Estimated speedup of the all-``f`` step over FP32 on the target (the record's ``estimated_speedup``:
+    ``estimates.speedup_vs_fp32``, or the ratio of the two ``summary.<f>.step_time.estimated_s``)."""
+    return audit.estimated_speedup(f)
 
 
 def relative_to_fp32(change: Any, audit: R.AuditRecord) -> float | None:

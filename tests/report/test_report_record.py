@@ -81,3 +81,15 @@ def test_an_optional_field_left_out_reads_as_its_default_and_a_null_as_itself():
     doc["model"]["mode_note"] = None
     assert opt(from_json(doc).model, "mode_note", "(default)") is None
     assert opt(record.model, "fingerprint", "(default)") == doc["model"]["fingerprint"]
+
+
+def test_estimates_without_speedups_fall_back_to_the_ratio_of_step_times():
+    doc = json.loads(next(p for p in FILES if "tiny_gpt" in p.name).read_text())
+    del doc["estimates"]["speedup_vs_fp32"]  # optional in the schema: a hand-edited file may lack it
+    record = from_json(doc)
+    st = {f: doc["summary"][f]["step_time"]["estimated_s"] for f in ("fp32", "bf16")}
+    assert record.estimated_speedup("bf16") == pytest.approx(st["fp32"] / st["bf16"], rel=1e-12)
+    assert record.estimated_speedup("fp32") == 1.0
+    html = render_html(record, None, WHEN)
+    assert doc["plan"]["default_format"] == "bf16"
+    assert f"{st['fp32'] / st['bf16']:.2f}× for an all-bf16 step" in _section(html, "verdict")
