@@ -13,9 +13,17 @@ Example::
     handle = precision_audit.apply_policy(model, policy)
 """
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
 
+import types  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from .errors import AuditError  # noqa: E402  (no torch: `import precision_audit` stays light)
+
+if TYPE_CHECKING:
+    from .audit import AuditResult
 
 #: Imported on first use: importing torch takes seconds, and the command line must have its Ctrl-C handling in
 #: place before that (README.md, "Exit codes").
@@ -26,6 +34,20 @@ _LAZY = {"audit": ".audit", "AuditOptions": ".audit", "run_audit": ".audit", "Au
          # The runtime's functions (docs/policy.md, "The runtime"); the Policy record itself is data only.
          "apply_policy": ".runtime.api", "autocast": ".runtime.api", "grad_scaler": ".runtime.api",
          "controller": ".runtime.api", "shard_fsdp2": ".runtime.api"}
+
+
+class _AuditModule(types.ModuleType):
+    """The class of the module ``precision_audit.audit`` (precision_audit/audit.py sets it as it loads): called,
+    the module is the live-object audit, ``precision_audit.audit(model, batch, ...)`` runs
+    :func:`precision_audit.api.audit`. (A plain function of that name in the package would be replaced by the
+    module as soon as it is imported, and ``import precision_audit.audit`` must keep working.) It lives here, in
+    the package's front door, so that audit.py never imports api.py, which imports audit.py (docs/architecture.md:
+    no import cycle)."""
+
+    def __call__(self, model: Any, batch: Any, **kwargs: Any) -> AuditResult:
+        from .api import audit
+
+        return audit(model, batch, **kwargs)
 
 
 def __getattr__(name: str):

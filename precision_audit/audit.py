@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, assemble
+from . import __version__, _AuditModule, assemble
 from . import record as R
 from .analysis.alignment import rank_alignment, tied_modules
 from .analysis.findings import Analysis, analyse
@@ -488,15 +487,6 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
     )
 
 
-class _AuditModule(types.ModuleType):
-    """``precision_audit.audit`` is this module and, called, the live-object audit: ``precision_audit.audit(model,
-    batch, ...)`` runs :func:`precision_audit.api.audit`. (A plain function of that name in the package would be
-    replaced by this module as soon as it is imported, and ``import precision_audit.audit`` must keep working.)"""
-
-    def __call__(self, model: Any, batch: Any, **kwargs: Any) -> AuditResult:
-        from .api import audit
-
-        return audit(model, batch, **kwargs)
-
-
+# Called, this module is the live-object audit (precision_audit/__init__.py's _AuditModule hands the call to
+# precision_audit/api.py, which is built on compute_audit above: this module never imports api.py).
 sys.modules[__name__].__class__ = _AuditModule

@@ -497,12 +497,16 @@ class AuditRecord(Section):
     def estimated_speedup(self, fmt: str) -> float | None:
         """Estimated speedup of the all-``fmt`` step over FP32 on the target: ``estimates.speedup_vs_fp32``, or
         the ratio of the two ``summary`` step-time estimates (a hand-edited file may have only those)."""
-        sp = self.estimates.speedup_vs_fp32.get(fmt) if isinstance(self.estimates, Estimates) else None
+        est = self.estimates
+        sp = (est.speedup_vs_fp32 or {}).get(fmt) if isinstance(est, Estimates) else None
         if isinstance(sp, (int, float)) and not isinstance(sp, bool):
             return float(sp)
-        ref = self.summary.fp32.step_time.estimated_s
-        own = self.summary.formats.get(fmt)
-        mine = own.step_time.estimated_s if own is not None else ref if fmt == "fp32" else None
+
+        def estimated(s: ReferenceSummary | FormatSummary | None) -> float | None:
+            return s.step_time.estimated_s if s is not None and isinstance(s.step_time, StepTime) else None
+
+        ref = estimated(self.summary.fp32)
+        mine = ref if fmt == "fp32" else estimated(self.summary.formats.get(fmt))
         if not (ref and mine):
             return None
         ratio = ref / mine

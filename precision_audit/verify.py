@@ -156,7 +156,7 @@ def policy_failure(errors: dict[str, str], curve: list[float | None], params: li
 
 def _fp8_emulate(mode: str, device: str) -> bool:
     """torchao's ``emulate`` for the FP8 arm: on a GPU of compute capability 8.9 or later the real
-    ``torch._scaled_mm`` kernels (as the runtime chooses, runtime/fp8.py); elsewhere, and in emulated mode,
+    ``torch._scaled_mm`` kernels (as the runtime chooses, fp8/apply.py); elsewhere, and in emulated mode,
     emulated (FP32 GEMMs of the dequantised operands). Decided from the device the arms train on, so the check
     before training (which runs on a CPU copy) applies the same rules, e.g. dimensions that are multiples of 16."""
     if mode != "cuda":
@@ -187,8 +187,8 @@ def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str, device: str
     """Whether the policy has FP8 modules (then verify trains a ``policy_fp8`` arm). Checked before any training
     on a copy of the model: a plan the runtime cannot apply (torchao missing, a recipe it has no training path
     for, a module that is not an ``nn.Linear``) raises :class:`~precision_audit.errors.PolicyError` (exit 2)."""
+    from .fp8.apply import apply_fp8
     from .fp8.policy import Fp8Plan
-    from .runtime.fp8 import apply_fp8
 
     plan = Fp8Plan.from_policy(policy)
     if not plan.modules:
@@ -211,7 +211,7 @@ def _armed(arm: str, policy: Policy, model: torch.nn.Module, opt: torch.optim.Op
         if arm == "policy_fp8":
             # the planned linears become torchao Float8Linear in place, keeping their parameters (the optimizer's);
             # after apply_policy and the controller: their fingerprint checks need the model the policy was made for
-            from .runtime.fp8 import apply_fp8
+            from .fp8.apply import apply_fp8
 
             converted = apply_fp8(model, policy, emulate=_fp8_emulate(mode, device))
             if mode != "cuda":

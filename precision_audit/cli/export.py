@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..policy.exporters import EXPORT_TARGETS, export_policy
+from ..export import EXPORT_TARGETS, export_policy
 from ..policy.io import load_policy
 
 DESCRIPTION = """\

@@ -20,8 +20,8 @@ Each target gets its nearest equivalent, and says what it cannot express:
 
 Example::
 
+    from precision_audit.export import export_policy   # every target, the FP8 ones included
     from precision_audit.policy import load_policy
-    from precision_audit.policy.exporters import export_policy
     out = export_policy(load_policy("audit/policy.json"), "deepspeed")
     print(out.text); print(out.notes)
 
@@ -40,11 +40,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import OptionError
 from .exported import Export
 from .schema import Policy
-
-EXPORT_TARGETS = ("deepspeed", "lightning", "accelerate", "fsdp", "torchao", "torchtitan")
 
 _TORCH_DTYPE = {"fp32": "torch.float32", "tf32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 _LIGHTNING = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -365,27 +362,8 @@ def _fsdp(policy: Policy, policy_path: str) -> Export:
     return Export("fsdp", text, ".py", tuple(notes))
 
 
-_EXPORTERS: dict[str, Callable[[Policy, str], Export]] = {
+#: The mixed-precision targets, in the order ``precision-audit export --help`` lists them; the FP8 targets are
+#: fp8/export.py's, and precision_audit/export.py's ``export_policy`` dispatches to both.
+EXPORTERS: dict[str, Callable[[Policy, str], Export]] = {
     "deepspeed": _deepspeed, "lightning": _lightning, "accelerate": _accelerate, "fsdp": _fsdp,
 }
-
-
-def _fp8_exporter(to: str) -> Callable[[Policy, str], Export]:
-    def export(policy: Policy, policy_path: str) -> Export:
-        from ..fp8 import export as fp8_export  # the policy's fp8 modules (issue 16, docs/fp8.md)
-        return getattr(fp8_export, f"export_{to}")(policy, policy_path)
-    return export
-
-
-_EXPORTERS.update({"torchao": _fp8_exporter("torchao"), "torchtitan": _fp8_exporter("torchtitan")})
-
-
-def export_policy(policy: Policy, to: str, *, policy_path: str = "policy.json") -> Export:
-    """The nearest equivalent of ``policy`` for training stack ``to`` (one of :data:`EXPORT_TARGETS`).
-
-    ``policy_path`` is the path the generated Python loads the policy from (for the per-module part).
-    """
-    fn = _EXPORTERS.get(to)
-    if fn is None:
-        raise OptionError(f"cannot export a policy to {to!r}", choices=EXPORT_TARGETS)
-    return fn(policy, policy_path)

@@ -82,10 +82,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def as_document(audit: R.AuditRecord | Any) -> Any:
-    """audit.json's content for the readers that still take it as a mapping (report/html.py, notebook.py,
-    tensorboard.py): a record is written out, a mapping (a saved audit.json, already validated) passed on."""
-    return to_json(audit) if isinstance(audit, R.AuditRecord) else audit
+def as_stored(record: R.AuditRecord) -> R.AuditRecord:
+    """The record as audit.json stores it: every non-finite float as None (the file's ``null``; the neighbouring
+    ``nonfinite`` counts say why), tuples as lists. The report renders this form, so the page the audit writes
+    and the one ``precision-audit report`` renders from the saved file are the same (docs/report.md)."""
+    return read(R.AuditRecord, to_json(record))
 
 
 def as_record(audit: R.AuditRecord | Any) -> R.AuditRecord:

@@ -257,10 +257,11 @@ def test_loss_scale_with_its_plan_validates_against_the_schema(tmp_path):
     validate_audit(doc)
     assert doc["loss_scale"]["plan"]["gradients"]["modules_not_fp16"] == 1
     # the terminal and the report show both: the uniform pass's scale and the plan's
+    from precision_audit.report.audit_json import from_json
     from precision_audit.report.html import render_html
     from precision_audit.report.terminal import summary_text
 
     text = summary_text(doc)
     assert "fp16 loss scale: 2.05e+03" in text and "for the plan: 5.24e+05" in text, text
-    section = render_html(doc, c.policy.to_dict()).split('id="loss-scale"')[1].split("</section>")[0]
+    section = render_html(from_json(doc), c.policy.to_dict()).split('id="loss-scale"')[1].split("</section>")[0]
     assert "For the plan" in section and "left out" in section and "&#39;big&#39; output gradient" in section

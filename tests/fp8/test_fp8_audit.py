@@ -43,9 +43,10 @@ def test_fp8_section_in_audit_json(fp8_only):
 
 
 def test_report_fp8_section(fp8_only):
+    from precision_audit.report.audit_json import from_json
     from precision_audit.report.html import render_html
     audit, policy = fp8_only
-    html = render_html(audit, policy)
+    html = render_html(from_json(audit), policy)
     sec = html[html.index('<section id="fp8"'):]
     sec = sec[:sec.index("</section>")]
     assert "Planned FP8 share of the linear layers' GEMM FLOPs: 0%" in sec
@@ -55,6 +56,6 @@ def test_report_fp8_section(fp8_only):
     cells = row.split("<td ")[2:8]
     assert [("ok" in c.split(">")[0]) for c in cells] == [False, False, False, False, True, False]
     no_fp8 = {k: v for k, v in audit.items() if k != "fp8"}
-    assert 'id="fp8"' not in render_html(no_fp8, policy)
+    assert 'id="fp8"' not in render_html(from_json(no_fp8), policy)
     broken = dict(audit, fp8={"layers": [{"name": 1, "recipes": 5}], "recipes": {"x": {}}})
-    assert 'id="fp8"' not in render_html(broken, policy)  # a hand-edited section is left out, not a crash
+    assert 'id="fp8"' not in render_html(from_json(broken), policy)  # a hand-edited section is left out, not a crash

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from precision_audit.cli.export import export_main
+from precision_audit.export import EXPORT_TARGETS, export_policy
 from precision_audit.policy import LossScaling, Policy, fingerprint, model_layout
-from precision_audit.policy.exporters import EXPORT_TARGETS, export_policy
 from precision_audit.policy.io import dumps_policy
 
 HOSTILE = 'x"\n]\nimport os #\x7f\u00e9\U0001F600\\'

@@ -1,4 +1,4 @@
-"""The FP8 runtime (precision_audit/runtime/fp8.py): the planned modules, and only those, converted through
+"""The FP8 runtime (precision_audit/fp8/apply.py): the planned modules, and only those, converted through
 torchao's convert_to_float8_training with their own recipe; 20 emulated training steps on CPU stay finite and
 learn; recipes torchao cannot train are refused before the model is touched; the policy's fp8 section."""
 
@@ -16,7 +16,7 @@ from precision_audit.policy.io import dumps_policy, parse_policy
 
 torchao = pytest.importorskip("torchao", reason="torchao is not installed (pip install '.[fp8]')")
 
-from precision_audit.runtime.fp8 import apply_fp8  # noqa: E402
+from precision_audit.fp8.apply import apply_fp8  # noqa: E402
 
 
 class Net(nn.Module):

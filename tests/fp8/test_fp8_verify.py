@@ -45,7 +45,7 @@ def _batch():
 
 
 def test_the_fp8_arm_trains_the_planned_modules_in_fp8_as_a_hand_loop_does():
-    from precision_audit.runtime.fp8 import apply_fp8
+    from precision_audit.fp8.apply import apply_fp8
 
     torch.manual_seed(0)
     model = Net()

@@ -17,8 +17,8 @@ import torch
 
 from precision_audit.cli.export import export_main
 from precision_audit.errors import OptionError, PolicyError
+from precision_audit.export import EXPORT_TARGETS, export_policy
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, fingerprint, model_layout, save_policy
-from precision_audit.policy.exporters import EXPORT_TARGETS, export_policy
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
 sys.path.insert(0, str(ROOT / "sample_models" / "fp16_trouble"))

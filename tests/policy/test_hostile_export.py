@@ -35,8 +35,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from precision_audit.cli import main
+from precision_audit.export import export_policy
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, save_policy
-from precision_audit.policy.exporters import export_policy
 
 PY_TARGETS = ("lightning", "accelerate", "fsdp", "torchao")
 FP = "sha256:" + "0" * 64

@@ -31,6 +31,7 @@ import pytest
 from models import TROUBLE, TROUBLE_BATCH
 from precision_audit.cli import main
 from precision_audit.cli.report import ReportInputError, check_audit
+from precision_audit.report.audit_json import from_json
 from precision_audit.report.html import render_html
 
 BIG = 1.7976931348623157e308  # the largest float
@@ -294,13 +295,13 @@ def _mutants(doc: dict, seed: int, n: int) -> list[tuple[tuple, Any]]:
 def _check_mutants(good_audit: Path, tmp_path: Path, seed: int, n: int) -> None:
     good = json.loads((good_audit / "audit.json").read_text())
     policy = json.loads((good_audit / "policy.json").read_text())
-    baseline = len(OVERFLOW.findall(render_html(good, policy)))
+    baseline = len(OVERFLOW.findall(render_html(from_json(good), policy)))
     rendered = 0
     for path, value in _mutants(good, seed, n):
         doc = _set(copy.deepcopy(good), path, value)
         if not _valid(doc):
             continue
-        html = render_html(doc, policy)  # a crash here fails the test with the path in the traceback
+        html = render_html(from_json(doc), policy)  # a crash here fails the test with the path in the traceback
         rendered += 1
         assert len(OVERFLOW.findall(html)) <= baseline, (path, value, OVERFLOW.findall(html)[:5])
     assert rendered > n // 5, rendered

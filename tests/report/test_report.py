@@ -13,6 +13,7 @@ from markupsafe import escape
 
 from conftest import SAMPLES
 from precision_audit.report import charts
+from precision_audit.report.audit_json import from_json
 from precision_audit.report.html import SECTIONS, fmt_num, fmt_scale, render_html
 
 SAMPLE_CASES = [(name, {}) for name in SAMPLES] + [("fp16_trouble", {"target": "v100"})]
@@ -167,7 +168,7 @@ def test_absent_fields_say_not_measured(sample_report):
     for k in ("estimates", "memory", "verify"):
         a.pop(k, None)
     a["memory_note"] = "not measured: memory why"
-    html = render_html(a, policy)
+    html = render_html(from_json(a), policy)
 
     def section(sid: str) -> str:
         return html.split(f'id="{sid}"')[1].split("</section>")[0]
@@ -207,8 +208,8 @@ def test_verify_curves_are_drawn_when_present(sample_audits):
     audit["verify"] = {"steps": 6, "curves": {"fp32": [5.5, 5.2, 4.9, 4.7, 4.6, 4.5],
                                               "policy": [5.5, 5.2, 4.91, 4.71, 4.6, 4.51],
                                               "fp16": [5.5, 5.3, None, 4.9, 4.8, 4.7]},
-                       "final_divergence": {"policy": 0.002, "fp16": 0.04}}
-    html = render_html(audit, json.loads((out / "policy.json").read_text()))
+                       "errors": {}, "final_divergence": {"policy": 0.002, "fp16": 0.04}}
+    html = render_html(from_json(audit), json.loads((out / "policy.json").read_text()))
     dom = ReportDOM(html)
     assert "chart-verify-svg" in dom.ids
     verify = html.split('id="verify"')[1].split("</section>")[0]
@@ -254,7 +255,7 @@ def test_module_names_are_escaped_never_executed(tmp_path):
 def test_policy_json_cannot_close_its_script_block():
     audit = json.loads(json.dumps(_minimal_audit()))
     policy = {"schema": "precision-audit/policy", "modules": {EVIL: {"format": "fp32", "reason": "</script><!--"}}}
-    html = render_html(audit, policy)
+    html = render_html(from_json(audit), policy)
     dom = ReportDOM(html)
     assert json.loads(dom.script_by_id("policy-data")) == policy
     assert "<script>alert" not in html and "</script><!--" not in html
@@ -321,7 +322,8 @@ def test_rendering_is_deterministic(sample_audits):
     _, out, _ = sample_audits.get("cnn")
     audit, policy = json.loads((out / "audit.json").read_text()), json.loads((out / "policy.json").read_text())
     when = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
-    assert render_html(audit, policy, when) == render_html(copy.deepcopy(audit), copy.deepcopy(policy), when)
+    assert render_html(from_json(audit), policy, when) == render_html(from_json(copy.deepcopy(audit)),
+                                                                    copy.deepcopy(policy), when)
 
 
 @pytest.mark.parametrize("x, text", [(None, "inf/NaN"), (0.0, "0"), (12345, "12,345"), (1.5e-4, "1.50e-04"),
@@ -340,17 +342,19 @@ def _minimal_audit() -> dict:
             "created": "2026-01-01T00:00:00+00:00", "mode": "emulated", "device": "cpu",
             "hardware": {"cuda_available": False, "gpus": [], "torch_version": "2"},
             "target": {"name": "H100 SXM", "compute_capability": [9, 0]}, "formats": [], "formats_skipped": [],
-            "options": {}, "model": {"class": "M", "parameters": 0, "fingerprint": "sha256:0", "modules": 1,
-                                     "training": False},
+            "options": {}, "model": {"class": "M", "parameters": 0, "fingerprint": "sha256:" + "0" * 64,
+                                     "modules": 1, "training": False},
             "batch": {}, "loss": {"kind": "surrogate"}, "emulation": None,
-            "summary": {"fp32": {"loss": 1.0, "step_time": {}}}, "loss_scale": None, "layers": [],
+            "summary": {"fp32": {"loss": 1.0, "step_time": {"measured_s": None, "measured_on": None,
+                                                            "estimated_s": None, "estimated_note": None}}},
+            "loss_scale": None, "layers": [],
             "plan": {"default_format": "fp32", "overrides": {}},
             "verdict": {"exit_code": 0, "safe_formats": [], "message": "no low-precision format was audited"},
             "warnings": []}
 
 
 def test_minimal_audit_renders_every_section():
-    html = render_html(_minimal_audit(), None)
+    html = render_html(from_json(_minimal_audit()), None)
     dom = ReportDOM(html)
     assert all(s in dom.ids for s, _ in SECTIONS)
     assert dom.tables["layer-table"]["rows"] == 0

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..errors import PolicyError
-from ..fp8.policy import Fp8Plan
-from ..fp8.recipes import RECIPES
+from .policy import Fp8Plan
+from .recipes import RECIPES
 
 log = logging.getLogger(__name__)
 
