@@ -27,7 +27,7 @@ from .emulation import rounding_registry_paused
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
-from .rerun_memo import autocast_context
+from .rerun_memo import autocast_context, plain_call
 from .session_state import SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram
@@ -186,7 +186,8 @@ class ReferencePass(SessionState):
                 except Exception as e:  # the module fails under autocast: reported, not fatal
                     fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
                     continue
-                if snapshot is None:  # an enclosing module's re-run may take this output (capture/rerun_memo.py)
+                if snapshot is None and plain_call(m, self._hook_ids):
+                    # an enclosing module's re-run may take this output (capture/rerun_memo.py)
                     moved = not torch.equal(torch.get_rng_state(), pre_rng[0])
                     self._memo.offer(frame, fmt, out, moved, (*ctx, self._use_gemm_mode))
                 ps = float_tensors(out)

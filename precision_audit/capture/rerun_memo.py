@@ -14,7 +14,9 @@ It is handed over only when it is certain to be the same result, else the child 
   by identity and unchanged version; other values equal), and the enclosing module's inputs include all of the
   child's tensors (otherwise they are values the enclosing re-run computes anew, in low precision);
 - the child's re-run drew no random numbers (the generator's state did not move), did not change its inputs in
-  place, returned tensors (or tuples and lists of them), and ran in emulated mode under autocast;
+  place, returned tensors (or tuples and lists of them) that share no memory with its inputs, and ran in
+  emulated mode; the child carries no forward hooks but the audit's own, and no global module hooks are set
+  (a hook could change the output after the forward, and would run again on the handed-over copy);
 - autocast is on with the same dtype, grad mode is off and the fp32-fallback dispatch mode is as it was when
   the child re-ran.
 
@@ -68,6 +70,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # a tensor without a plain storage (sparse, nested, a subclass): never kept
+        return None
+
+
 def _storable(out: Any) -> bool:
     if isinstance(out, torch.Tensor):
         return True
@@ -100,6 +109,16 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:
         return False
+
+
+def plain_call(m: torch.nn.Module, own_hooks: set[int]) -> bool:
+    """Whether calling ``m`` runs its forward and nothing else that could change the output: no forward hooks
+    or pre-hooks on it but the audit's own (``own_hooks``: their handle ids), and no global module hooks."""
+    from torch.nn.modules import module as _m
+
+    if _m._global_forward_pre_hooks or _m._global_forward_hooks:
+        return False
+    return all(k in own_hooks for k in (*m._forward_pre_hooks, *m._forward_hooks))
 
 
 def autocast_context() -> tuple:
@@ -137,10 +156,13 @@ class RerunMemo:
 
     def offer(self, frame: _Frame | None, fmt: Format, out: Any, rng_moved: bool, context: tuple) -> None:
         """The child whose call ``frame`` was re-ran in ``fmt`` and returned ``out``: kept if an enclosing re-run
-        can reuse it (see the module's docstring)."""
+        can reuse it (see the module's docstring; the caller checks the hooks)."""
         if frame is None or rng_moved or not frame.tensors or not _storable(out):
             return
         if tuple(t._version for t in frame.tensors) != frame.versions:  # the call changed its inputs in place
+            return
+        inputs = {_storage(t) for t in frame.tensors}
+        if any(_storage(t) in inputs or _storage(t) is None for t in _tensors(out)):  # a view of an input
             return
         # the outermost enclosing call (not the model itself, which is never re-run) whose inputs hold all of
         # this call's tensors: every call between the two passes them on unchanged

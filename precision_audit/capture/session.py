@@ -154,6 +154,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = {}
         self._loss_ref: Any = None
         self._hooks: list[Any] = []
+        self._hook_ids: set[int] = set()  # the ids of the session's own module hooks (capture/rerun_memo.py)
         self._exit = contextlib.ExitStack()
         self._policy: CudaAutocastPolicy | None = None
         self._gemm = LowPrecisionGemmMode()
@@ -189,6 +190,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         for m in self.model.modules():
             self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
+        self._hook_ids = {h.id for h in self._hooks}
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

@@ -52,6 +52,7 @@ class SessionState:
     _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
     _loss_ref: Any
     _refs: ReferenceStore
+    _hook_ids: set[int]  # the session's own module hooks
     _memo: RerunMemo  # re-run outputs an enclosing module's re-run reuses (capture/rerun_memo.py)
 
     # the session's helpers (defined in capture/session.py)

@@ -107,6 +107,39 @@ class Edge(nn.Module):
         return self.head(self.inplace(y * 1.0))
 
 
+class Aliasing(nn.Module):
+    """A computing child that also hands back its input, which the parent then changes in place: a copy in its
+    place would change what the parent's re-run computes (kept from that twice: the input's version moves, and
+    an output sharing an input's memory is never kept)."""
+
+    def forward(self, x):
+        return x, torch.tanh(x)
+
+
+class UsesAlias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.alias, self.lin = Aliasing(), nn.Linear(32, 32)
+
+    def forward(self, x):
+        same, t = self.alias(x)
+        same.mul_(3)  # changes x itself
+        return self.lin(x) * t
+
+
+class Hooked(nn.Module):
+    """A child with the user's own forward hook (doubling its output): handing over the hooked output of the
+    child's re-run would apply the hook twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(32, 32), nn.Linear(32, 4)
+        self.lin.register_forward_hook(lambda m, a, out: out * 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.lin(x)) * 0.5)
+
+
 def _capture(model: nn.Module, x: torch.Tensor, reuse: bool):
     config = CaptureConfig((Format.FP16, Format.BF16))
     with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), config) as s:
@@ -148,6 +181,16 @@ def test_no_reuse_where_the_result_could_differ():
     # reference's second call and is answered from that call's re-run (same values); the re-run changes the
     # input once more, so in the second format nothing matches any kept version (1).
     assert reused == 2 + 1
+
+
+def test_no_reuse_of_an_output_sharing_its_input_or_of_a_hooked_module():
+    for inner in (UsesAlias(), Hooked()):
+        torch.manual_seed(0)
+        model, x = nn.Sequential(inner, nn.Linear(inner(torch.zeros(1, 32)).shape[-1], 4)), torch.randn(4, 32)
+        with_reuse, reused = _capture(model, x.clone(), True)
+        without, _ = _capture(model, x.clone(), False)
+        assert reused == 0, type(inner).__name__
+        assert with_reuse == without
 
 
 def test_the_model_is_left_as_it_was():
