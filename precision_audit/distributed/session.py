@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ from ..capture.runner import CaptureSession
 from ..capture.stats import ErrorStats
 from ..formats import Format
 from . import reduce as R
+from . import saved as saved_copies
+from .grads import GradTaker
 
 
 class _GlobalLoss(torch.autograd.Function):
@@ -119,6 +122,7 @@ class DistributedCaptureSession(CaptureSession):
         self._format_depth = 0
         self._noise_patch = contextlib.ExitStack()
         self._original_types = dict(original_types or {})  # before fully_shard swapped the classes
+        self._grads = GradTaker(self)  # FSDP2's sharded gradients read as they arrive, then freed (grads.py)
         if untracked is not None:
             untracked.session = self
 
@@ -133,10 +137,18 @@ class DistributedCaptureSession(CaptureSession):
         setattr(_noise, "ErrorStats", patched)  # noqa: B010 - a module attribute swapped for the audit
         self._noise_patch.callback(setattr, _noise, "ErrorStats", saved)
         try:
-            return super().__enter__()  # type: ignore[return-value]
+            super().__enter__()
         except BaseException:
             self._noise_patch.close()
             raise
+        self._noise_patch.callback(self._grads.remove)
+        try:
+            self._grads.install(self.model)
+            saved_copies.install(self.model, self._noise_patch)
+        except BaseException:
+            self.__exit__(*sys.exc_info())
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         try:
@@ -170,6 +182,42 @@ class DistributedCaptureSession(CaptureSession):
     def _reset(self) -> None:
         super()._reset()
         self._same_everywhere.clear()
+        self._grads.reset()
+
+    # -- parameter gradients taken as they arrived (grads.py), merged as the ones still held ----------------
+    def _param_grad_histograms(self) -> None:
+        super()._param_grad_histograms()  # the gradients still held (not taken: they are None here otherwise)
+        taken = self._grads.histograms
+        seen: set[int] = set()
+        for mid, rec in self.layers.items():  # attributed as ReferencePass does: the first owner, ties apart
+            for p in self._modules[mid].parameters(recurse=False):
+                got = taken.get(id(p))
+                if got is None:
+                    continue
+                if id(p) in seen:
+                    rec.grad_param_tied.merge(got[0])
+                    continue
+                seen.add(id(p))
+                rec.grad_param.merge(got[0])
+                self.grad_all.merge(got[0])
+                if got[1] is not None:
+                    self._ref_grad_nonfinite[id(p)] = got[1]
+        taken.clear()
+
+    def _count_grad_nonfinite(self, fmt: Format, run: Any) -> None:
+        super()._count_grad_nonfinite(fmt, run)  # the gradients still held
+        taken = self._grads.nonfinite
+        for mid, rec in self.layers.items():  # attributed as FormatPasses does: the first owner
+            for p in self._modules[mid].parameters(recurse=False):
+                got = taken.pop(id(p), None)
+                if got is not None:
+                    rec.formats[fmt].grad_param_nonfinite += got[0]
+                    run.param_grads_nonfinite += got[0]
+                    run.param_grads_nonfinite_shared += got[1]
+        for added, shared in taken.values():  # parameters no module that ran owns
+            run.param_grads_nonfinite += added
+            run.param_grads_nonfinite_shared += shared
+        taken.clear()
 
     def _cached(self, kind: str, tensors: tuple, make: Callable[[], Any],
                 operands: Callable[[], tuple] | None = None) -> Any:
@@ -222,11 +270,14 @@ class DistributedCaptureSession(CaptureSession):
     # -- the passes, each followed by its reduction --------------------------------------------------------
     def reference_run(self):
         self._impact_log.clear()
+        self._grads.phase = "ref"
         try:
             run = super().reference_run()
         except BaseException:
             self._impact_log.clear()
             raise
+        finally:
+            self._grads.phase = None
         layers = list(self.layers.values())
         red = R.Reduction(self.group)
         R.reference_fields(red, layers)
@@ -238,10 +289,12 @@ class DistributedCaptureSession(CaptureSession):
 
     def format_run(self, fmt: Format, loss_scale: float = 1.0):
         self._format_depth += 1
+        outer, self._grads.phase = self._grads.phase, fmt
         try:
             run = super().format_run(fmt, loss_scale)
         finally:
             self._format_depth -= 1
+            self._grads.phase = outer
         if self._format_depth:  # the runner's own retry (fp32-fallback kernels): reduced once, by the outer call
             return run
         layers = list(self.layers.values())

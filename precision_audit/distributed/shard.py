@@ -74,8 +74,8 @@ def apply(model: torch.nn.Module, source: Any, shard: str | None, device: str) -
                 fully_shard(child)
         fully_shard(model)
         run = model
-        how = ("fully_shard on each of the " + (f"{len(blocks[1])} blocks of '{blocks[0]}' and on " if blocks else "")
-               + "the root")
+        how = (f"fully_shard on each of the {len(blocks[1])} blocks of '{blocks[0]}' and on the root" if blocks
+               else "fully_shard on the root")
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
