@@ -64,6 +64,7 @@ def main() -> None:
               "finite": all(bool(torch.isfinite(t).all()) for t in params.values()),
               "params": {k: t.tolist() for k, t in params.items()}}
     (out_dir / f"result.rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 

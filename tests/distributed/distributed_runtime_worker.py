@@ -90,6 +90,7 @@ def main() -> None:
             pa.apply_policy(model, policy)
         except pa.AuditError as e:
             (out_dir / f"refused.rank{rank}.txt").write_text(str(e))
+        dist.barrier()  # no rank tears gloo down while another still talks to it
         dist.destroy_process_group()
         return
     if mode in ("fsdp", "fsdp_policy"):
@@ -129,6 +130,7 @@ def main() -> None:
               "handle_modules": dict(handle.modules), "policy_modules": sorted(ctl.policy.modules)}
     (out_dir / f"result.rank{rank}.json").write_text(json.dumps(result, indent=1))
     ctl.close()
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
