@@ -230,3 +230,21 @@ def test_pages_do_not_depend_on_what_was_rendered_before():
     assert render_html(from_json(docs[0]), None, WHEN) == first
     fresh = fresh_like(docs[0])
     assert render_html(fresh, None, WHEN) == render_html(read(R.AuditRecord, ref_to_json(fresh)), None, WHEN)
+
+
+def test_rendering_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    doc = json.loads(FILES[0].read_text())
+    assert gc.isenabled()
+    render_html(from_json(doc), None, WHEN)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        render_html(from_json(doc), None, WHEN)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(TypeError):  # raised while the page is built: the policy is not JSON
+        render_html(from_json(doc), {"x": object()}, WHEN)
+    assert gc.isenabled()
