@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .. import record as R
 
@@ -39,7 +39,7 @@ def given(section: Any) -> bool:
             return True
         absent = section.absent
         return any(getattr(section, name) is not None or not (key in absent or omit_none)
-                   for name, key, omit_none in _written_fields(type(section)))
+                   for name, key, omit_none in _written_fields(cast(type, type(section))))
     return bool(section)
 
 
