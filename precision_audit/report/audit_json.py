@@ -23,6 +23,7 @@ import math
 import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar, Union, cast
 
@@ -53,7 +54,48 @@ def to_json(value: Any) -> Any:
     """audit.json's content for a record (or any part of it): dataclass fields under their JSON keys, in field
     order; ``extra`` keys after them; ``omit_none`` fields and the keys a read file lacked left out; then
     :func:`clean`."""
-    return clean(_plain(value))
+    return _json(value)
+
+
+def _json(value: Any) -> Any:
+    """``clean(_plain(value))`` in one walk, each record type's fields looked up once (:func:`_write_plan`): the
+    report writes the record out once per page (docs/report.md); any other type takes the two-pass path."""
+    t = type(value)
+    if t is str or t is int or t is bool or value is None:
+        return value
+    if t is float:
+        return value if math.isfinite(value) else None
+    if t is dict:
+        return {str(k): _json(v) for k, v in value.items()}
+    if t is list:
+        return [_json(v) for v in value]
+    plan = _write_plan(cast(type, t))
+    if plan is None:
+        return clean(_plain(value))
+    out: dict[Any, Any] = {}
+    absent: frozenset[str] = getattr(value, "absent", frozenset())
+    for name, key, omit_none in plan:
+        v = getattr(value, name)
+        if v is None and (key in absent or omit_none):
+            continue  # left out by the file read, or optional and not set
+        out[key] = _json(v)
+    extra = getattr(value, "extra", {})
+    if extra:
+        for k, v in extra.items():
+            out[k] = _json(v)
+        if not all(type(k) is str for k in out):
+            out = {str(k): v for k, v in out.items()}
+    return out
+
+
+@functools.cache
+def _write_plan(t: type) -> tuple[tuple[str, str, bool], ...] | None:
+    """(attribute, JSON key, omit_none) of each written field of the record type ``t``; None for a type that is
+    not a plain record (the summary, an enum, a subclass of dict or list, ...)."""
+    if t is R.Summary or not dataclasses.is_dataclass(t) or issubclass(t, (enum.Enum, dict, list, tuple, float)):
+        return None
+    return tuple((f.name, f.metadata.get("key", f.name), bool(f.metadata.get("omit_none")))
+                 for f in dataclasses.fields(t) if not f.metadata.get("internal"))
 
 
 def _plain(value: Any) -> Any:
@@ -115,21 +157,17 @@ def read(cls: type[T], data: Any) -> T:
         return R.Summary(fp32=read(R.ReferenceSummary, data["fp32"]),  # type: ignore[return-value]
                          formats={k: read(R.FormatSummary, v) for k, v in rest.items() if isinstance(v, dict)},
                          extra={k: v for k, v in rest.items() if not isinstance(v, dict)})
-    hints = _hints(cast(type, cls))
+    plan, known = _read_plan(cast(type, cls))
     kwargs: dict[str, Any] = {}
     absent = []
-    known = set()
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.metadata.get("internal"):
-            continue
-        key = f.metadata.get("key", f.name)
-        known.add(key)
+    for name, key, reader, required in plan:
         if key in data:
-            kwargs[f.name] = _value(hints[f.name], data[key])
+            v = data[key]
+            kwargs[name] = v if reader is None else reader(v)
         else:
             absent.append(key)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                kwargs[f.name] = None
+            if required:
+                kwargs[name] = None
     return cls(**kwargs, extra={k: v for k, v in data.items() if k not in known},  # type: ignore[call-arg]
                absent=frozenset(absent))
 
@@ -139,26 +177,66 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _value(tp: Any, v: Any) -> Any:
-    """``v`` read as type ``tp``; a value of another shape than ``tp`` (allowed by a looser schema) is kept as is."""
-    if v is None:
-        return None
+_Reader = Callable[[Any], Any] | None
+
+
+@functools.cache
+def _read_plan(cls: type) -> tuple[tuple[tuple[str, str, _Reader, bool], ...], frozenset[str]]:
+    """Per field of ``cls`` that the file holds (not internal): attribute, JSON key, its reader (:func:`_reader`)
+    and whether it has no default (None when the file lacks it); and the set of those keys."""
+    hints = _hints(cls)
+    plan = tuple((f.name, f.metadata.get("key", f.name), _reader(hints[f.name]),
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls) if not f.metadata.get("internal"))
+    return plan, frozenset(key for _, key, _, _ in plan)
+
+
+@functools.cache
+def _reader(tp: Any) -> _Reader:
+    """How a value of the type ``tp`` is read, decided once per type: a function of the value, or None where the
+    value is kept as it is. A dict read as a record type is that record (:func:`read`; the first record type of
+    a union); a list or dict of a type is a new list or dict of its items so read; a value of another shape
+    than ``tp`` (allowed by a looser schema) is kept as is; None stays None."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         arms = [a for a in typing.get_args(tp) if a is not type(None)]
-        for a in arms:
-            if dataclasses.is_dataclass(a) and isinstance(v, dict):
-                return read(cast(type, a), v)
-        return _value(arms[0], v) if len(arms) == 1 else v
+        record = next((cast(type, a) for a in arms if dataclasses.is_dataclass(a)), None)
+        rest = _reader(arms[0]) if len(arms) == 1 else None
+        return rest if record is None else _record_reader(record, rest)
     if dataclasses.is_dataclass(tp):
-        return read(cast(type, tp), v) if isinstance(v, dict) else v
-    if origin is list and isinstance(v, list):
-        (item,) = typing.get_args(tp)
-        return [_value(item, x) for x in v]
-    if origin is dict and isinstance(v, dict):
-        _, item = typing.get_args(tp)
-        return {k: _value(item, x) for k, x in v.items()}
-    return v
+        return _record_reader(cast(type, tp), None)
+    if origin is list:
+        return _list_reader(_reader(typing.get_args(tp)[0]))
+    if origin is dict:
+        return _dict_reader(_reader(typing.get_args(tp)[1]))
+    return None
+
+
+def _record_reader(record: type, other: _Reader) -> Callable[[Any], Any]:
+    def read_record(v: Any) -> Any:
+        if isinstance(v, dict):
+            return read(record, v)
+        return v if other is None or v is None else other(v)
+
+    return read_record
+
+
+def _list_reader(each: _Reader) -> Callable[[Any], Any]:
+    def read_list(v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        return list(v) if each is None else [None if x is None else each(x) for x in v]
+
+    return read_list
+
+
+def _dict_reader(each: _Reader) -> Callable[[Any], Any]:
+    def read_dict(v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        return dict(v) if each is None else {k: None if x is None else each(x) for k, x in v.items()}
+
+    return read_dict
 
 
 # --- reading audit.json: strict JSON, then the schema ----------------------------------------------------

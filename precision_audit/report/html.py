@@ -19,10 +19,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import functools
+import gc
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from importlib import resources
 from typing import Any
 
@@ -110,7 +112,26 @@ def render_html(audit: AuditRecord, policy: Mapping[str, Any] | None, generated:
                         f"{type(audit).__name__}: read a saved audit.json with report.audit_json.from_json")
     from .audit_json import as_stored
 
-    stored = as_stored(audit)  # non-finite figures as the file holds them (None, shown as "inf/NaN")
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
-    view = build_view(stored, policy)
-    return _env().get_template(TEMPLATE).render(a=stored, v=view, policy=policy, generated=when)
+    with _no_cyclic_gc():
+        stored = as_stored(audit)  # non-finite figures as the file holds them (None, shown as "inf/NaN")
+        view = build_view(stored, policy)
+        return _env().get_template(TEMPLATE).render(a=stored, v=view, policy=policy, generated=when)
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a page is built, and restore it as it was.
+
+    Building the page allocates some hundred thousand short-lived objects, freed by reference counting; each
+    burst of allocations would otherwise start collections that walk every object the process holds (the
+    audit's model, tensors and record): on a 642-layer record that was ~45% of the rendering time. What the
+    page leaves behind is collected as usual once the collector runs again."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

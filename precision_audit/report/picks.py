@@ -10,12 +10,13 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .. import record as R
-from .audit_json import to_json
 
 #: The names an older ``verify`` section used for its loss curves (shown apart from the rest of the section).
 CURVE_KEYS = ("curves", "loss_curves", "losses", "runs")
@@ -26,10 +27,27 @@ CURVE_KEYS = ("curves", "loss_curves", "losses", "runs")
 
 def given(section: Any) -> bool:
     """Whether an optional section holds anything: not None, and not an empty object in the file (a read
-    record whose every field was absent)."""
+    record whose every field was absent).
+
+    That is whether ``to_json(section)`` has a key, read from the section's own fields without writing its
+    content out (the page asks it of every layer's cost, docs/report.md): a key is written for every field but
+    an internal one or a None that the file left out or that is ``omit_none``, and for every ``extra`` key."""
+    if isinstance(section, R.Summary):
+        return True  # audit.json's summary always holds its "fp32" key
     if isinstance(section, R.Section):
-        return bool(to_json(section))
+        if section.extra:
+            return True
+        absent = section.absent
+        return any(getattr(section, name) is not None or not (key in absent or omit_none)
+                   for name, key, omit_none in _written_fields(cast(type, type(section))))
     return bool(section)
+
+
+@functools.cache
+def _written_fields(cls: type) -> tuple[tuple[str, str, bool], ...]:
+    """(attribute, audit.json key, omit_none) of each field of ``cls`` that to_json writes (not internal)."""
+    return tuple((f.name, f.metadata.get("key", f.name), bool(f.metadata.get("omit_none")))
+                 for f in dataclasses.fields(cls) if not f.metadata.get("internal"))
 
 
 def is_gap(note: Any) -> bool:
