@@ -28,6 +28,8 @@ format are held at a time.
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,13 @@ class _Frame:
     tensors: list[torch.Tensor]
     versions: tuple[int, ...]
     ids: frozenset[int] = field(default_factory=frozenset)
+    # set only for a call an enclosing call could reuse (a holder): the call's module, its state, its inputs'
+    # values and the host generators' states before the call
+    owner: torch.nn.Module | None = None
+    holder: int | None = None
+    state: tuple | None = None
+    values: list[torch.Tensor] | None = None
+    host_rng: Any = None
 
 
 @dataclass
@@ -58,6 +67,8 @@ class _Entry:
     output: Any
     context: tuple
     holder: int
+    state: tuple
+    values: list[torch.Tensor]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -93,6 +104,101 @@ def _copy(out: Any) -> Any:
     return type(out)(_copy(v) for v in out)
 
 
+_SCALARS = (bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice, type(Ellipsis))
+
+
+def _fingerprint(v: Any, storages: set, depth: int = 0) -> Any:
+    """What ``v`` is, as far as a computation reading it could tell: tensors by identity, version, dtype, shape,
+    strides and memory; plain values exactly (floats by their bits: -0.0 is not 0.0); containers and the
+    attributes of other objects recursively (3 levels; deeper, by identity); a generator by its state."""
+    if isinstance(v, torch.Tensor):
+        storages.add(_storage(v))
+        return ("t", id(v), v._version, v.dtype, tuple(v.shape), v.layout,
+                tuple(v.stride()) if v.layout == torch.strided else None, _storage(v),
+                v.storage_offset() if v.layout == torch.strided else None)
+    if isinstance(v, float):
+        return ("f", v.hex())
+    if isinstance(v, complex):
+        return ("c", v.real.hex(), v.imag.hex())
+    if isinstance(v, _SCALARS):
+        return (type(v), v)
+    if isinstance(v, torch.Generator):
+        return ("g", id(v), bytes(v.get_state().numpy()) if v.device.type == "cpu" else None)
+    if isinstance(v, torch.nn.Module):
+        return ("m", id(v))  # its own state is walked when it is a submodule; otherwise: by identity
+    if depth >= 3:
+        return ("o", id(v))
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = sorted(v, key=id) if isinstance(v, (set, frozenset)) else v
+        return (type(v), tuple(_fingerprint(x, storages, depth + 1) for x in items))
+    if isinstance(v, dict):
+        return (type(v), tuple((_fingerprint(k, storages, depth + 1), _fingerprint(x, storages, depth + 1))
+                               for k, x in v.items()))
+    attrs = getattr(v, "__dict__", None)
+    if isinstance(attrs, dict):
+        return ("o", id(v), type(v), _fingerprint(attrs, storages, depth + 1))
+    return ("o", id(v))
+
+
+def module_state(m: torch.nn.Module) -> tuple[tuple, set] | None:
+    """The state of ``m`` and its submodules that its forward may read besides its arguments (attributes,
+    parameters, the objects they hold), and the memory of the tensors in it; None for a module with buffers
+    (a re-run swaps them for copies, so their identity tells nothing: never kept)."""
+    storages: set = set()
+    parts = []
+    for sub in m.modules():
+        if any(b is not None for b in sub._buffers.values()):
+            return None
+        parts.append(tuple((k, _fingerprint(v, storages)) for k, v in sub.__dict__.items()
+                           if k not in ("forward", "_modules", "_buffers") and "hook" not in k))
+    return tuple(parts), storages
+
+
+def _host_rng() -> tuple:
+    """The states of Python's and NumPy's global generators (a child drawing from them is never kept)."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return (random.getstate(), None)
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return (random.getstate(), (kind, keys.tobytes(), pos, has_gauss, gauss))
+
+
+def _freeze(value: Any) -> Any:
+    """A copy of the call's containers (lists and dicts the caller may change after the call), tensors and
+    other values as they are; ``_UNFROZEN`` when a container is of a type it cannot copy faithfully."""
+    if type(value) is list:
+        items = [_freeze(v) for v in value]
+        return _UNFROZEN if any(v is _UNFROZEN for v in items) else items
+    if type(value) is tuple:
+        items = [_freeze(v) for v in value]
+        return _UNFROZEN if any(v is _UNFROZEN for v in items) else tuple(items)
+    if type(value) is dict:
+        d = {k: _freeze(v) for k, v in value.items()}
+        return _UNFROZEN if any(v is _UNFROZEN for v in d.values()) else d
+    if isinstance(value, (list, dict, set, bytearray)) or \
+            (isinstance(value, tuple) and any(isinstance(v, (list, dict, set, tuple)) for v in value)):
+        return _UNFROZEN
+    return value
+
+
+_UNFROZEN = object()
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (NaN equals the same NaN; -0.0 is not 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    try:
+        if a.is_floating_point() or a.is_complex():
+            as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+            if as_int is None:
+                return False
+            return torch.equal(a.view(as_int), b.view(as_int))
+        return torch.equal(a, b)
+    except Exception:  # a tensor that cannot be viewed or compared so: never the same
+        return False
+
+
 def _same(a: Any, b: Any) -> bool:
     """``a`` is ``b``'s very object (tensors), or an equal plain value (recursively for containers)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -103,6 +209,8 @@ def _same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (float, complex)):  # by the bits: -0.0 is not 0.0
+        return _fingerprint(a, set()) == _fingerprint(b, set())
     if a is b:
         return True
     try:
@@ -123,7 +231,8 @@ def plain_call(m: torch.nn.Module, own_hooks: set[int]) -> bool:
 
 def autocast_context() -> tuple:
     """What decides a CPU re-run's numerics besides its inputs: autocast's state and dtype, and grad mode."""
-    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled())
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled(),
+            torch.get_default_dtype(), torch.get_num_threads())
 
 
 class RerunMemo:
@@ -134,19 +243,44 @@ class RerunMemo:
         self._root = id(root)
         self._frames: list[_Frame] = []
         self._entries: dict[int, list[_Entry]] = {}
+        self._values: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # inputs' values before a call
         self.reused = 0  # re-runs of children taken from here (tests read it)
 
     def clear(self) -> None:
         self._frames.clear()
         self._entries.clear()
+        self._values.clear()
 
     def enter(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """A module call starts in the reference forward (its pre-hook)."""
         if not self.enabled:
             return
         ts = _tensors((args, kwargs))
-        self._frames.append(_Frame(id(m), args, kwargs, ts, tuple(t._version for t in ts),
-                                   frozenset(id(t) for t in ts)))
+        frame = _Frame(id(m), args, kwargs, ts, tuple(t._version for t in ts), frozenset(id(t) for t in ts))
+        # the outermost enclosing call (not the model itself, which is never re-run) whose inputs hold all of
+        # this call's tensors: every call between the two passes them on unchanged
+        holder = next((f for f in self._frames if f.module != self._root and frame.ids <= f.ids), None) \
+            if ts else None
+        frozen = _freeze((args, kwargs)) if holder is not None else _UNFROZEN
+        state = module_state(m) if frozen is not _UNFROZEN else None
+        if holder is not None and isinstance(frozen, tuple) and state is not None:
+            # the record of the call as it was made (the caller may change a list it passed afterwards), what
+            # the module held, its inputs' values (a write through .data moves no version) and the host's
+            # generators: all compared again after the call and before a reuse
+            frame.args, frame.kwargs = frozen
+            frame.owner, frame.holder, frame.state = m, holder.module, state[0]
+            frame.values = [self._value(t) for t in ts]
+            frame.host_rng = _host_rng()
+        self._frames.append(frame)
+
+    def _value(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t``'s values now (shared by the calls that take the same tensor at the same version)."""
+        hit = self._values.get(id(t))
+        if hit is not None and hit[0] is t and hit[1] == t._version:
+            return hit[2]
+        c = t.detach().clone()
+        self._values[id(t)] = (t, t._version, c)
+        return c
 
     def leave(self, m: torch.nn.Module) -> _Frame | None:
         """The call ends (its post-hook): its frame, or None when it is not the innermost one."""
@@ -157,31 +291,39 @@ class RerunMemo:
     def offer(self, frame: _Frame | None, fmt: Format, out: Any, rng_moved: bool, context: tuple) -> None:
         """The child whose call ``frame`` was re-ran in ``fmt`` and returned ``out``: kept if an enclosing re-run
         can reuse it (see the module's docstring; the caller checks the hooks)."""
-        if frame is None or rng_moved or not frame.tensors or not _storable(out):
+        if frame is None or frame.owner is None or frame.holder is None or frame.state is None \
+                or frame.values is None or rng_moved or not _storable(out):
             return
         if tuple(t._version for t in frame.tensors) != frame.versions:  # the call changed its inputs in place
             return
-        inputs = {_storage(t) for t in frame.tensors}
-        if any(_storage(t) in inputs or _storage(t) is None for t in _tensors(out)):  # a view of an input
+        if not all(_bits_equal(t, v) for t, v in zip(frame.tensors, frame.values)):  # ... through .data
             return
-        # the outermost enclosing call (not the model itself, which is never re-run) whose inputs hold all of
-        # this call's tensors: every call between the two passes them on unchanged
-        holder = next((f for f in self._frames if f.module != self._root and frame.ids <= f.ids), None)
-        if holder is None:
+        if _host_rng() != frame.host_rng:  # it drew from Python's or NumPy's generator
+            return
+        now = module_state(frame.owner)
+        if now is None or now[0] != frame.state:  # it changed its own state (a counter, its generator)
+            return
+        inputs = {_storage(t) for t in frame.tensors} | now[1]
+        # a view of an input or of a tensor the module holds: a copy in its place would not alias it
+        if any(_storage(t) in inputs or _storage(t) is None for t in _tensors(out)):
             return
         self._entries.setdefault(frame.module, []).append(
-            _Entry(fmt, frame.args, frame.kwargs, frame.versions, out, context, holder.module))
+            _Entry(fmt, frame.args, frame.kwargs, frame.versions, out, context, frame.holder, frame.state,
+                   frame.values))
 
     def release(self, m: torch.nn.Module) -> None:
         """``m``'s call has ended: the entries only it could use go."""
-        if not self._entries:
-            return
-        for key in list(self._entries):
-            kept = [e for e in self._entries[key] if e.holder != id(m)]
-            if kept:
-                self._entries[key] = kept
-            else:
-                del self._entries[key]
+        if self._entries:
+            for key in list(self._entries):
+                kept = [e for e in self._entries[key] if e.holder != id(m)]
+                if kept:
+                    self._entries[key] = kept
+                else:
+                    del self._entries[key]
+        if self._values:  # the copies of inputs that no open call or kept output refers to any more
+            live = {id(v) for f in self._frames for v in (f.values or ())} | \
+                {id(v) for es in self._entries.values() for e in es for v in e.values}
+            self._values = {k: hit for k, hit in self._values.items() if id(hit[2]) in live}
 
     @contextlib.contextmanager
     def reusing(self, modules: dict[int, torch.nn.Module], rerun: torch.nn.Module, fmt: Format,
@@ -196,7 +338,7 @@ class RerunMemo:
                     m = modules[key]
                     had = "forward" in m.__dict__
                     patched.append((m, had, m.__dict__.get("forward")))
-                    m.forward = self._answering(m.forward, mine, context_extra)
+                    m.forward = self._answering(m, m.forward, mine, context_extra)
             yield
         finally:
             for m, had, old in reversed(patched):
@@ -205,13 +347,20 @@ class RerunMemo:
                 else:
                     del m.forward
 
-    def _answering(self, forward: Any, entries: list[_Entry], context_extra: Any) -> Any:
+    def _answering(self, module: torch.nn.Module, forward: Any, entries: list[_Entry],
+                   context_extra: Any) -> Any:
         def answer(*args: Any, **kwargs: Any) -> Any:
             ctx = (*autocast_context(), context_extra)
+            state: Any = None
             for e in entries:
                 if e.context == ctx and _same(args, e.args) and _same(kwargs, e.kwargs) \
                         and tuple(t._version for t in _tensors((args, kwargs))) == e.versions:
-                    self.reused += 1
-                    return _copy(e.output)
+                    if state is None:
+                        now = module_state(module)
+                        state = now[0] if now is not None else ()
+                    if state == e.state and all(_bits_equal(t, v) for t, v in
+                                                zip(_tensors((args, kwargs)), e.values)):
+                        self.reused += 1
+                        return _copy(e.output)
             return forward(*args, **kwargs)
         return answer
