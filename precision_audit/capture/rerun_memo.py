@@ -88,6 +88,19 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether a copy of ``t`` (``clone()``) has its very layout: strided, non-overlapping and dense, at the start
+    of its memory."""
+    if t.layout != torch.strided or t.storage_offset() != 0:
+        return False
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _storable(out: Any) -> bool:
     if isinstance(out, torch.Tensor):
         return True
@@ -230,9 +243,12 @@ def plain_call(m: torch.nn.Module, own_hooks: set[int]) -> bool:
 
 
 def autocast_context() -> tuple:
-    """What decides a CPU re-run's numerics besides its inputs: autocast's state and dtype, and grad mode."""
+    """What decides a CPU re-run's numerics besides its inputs: autocast's state and dtype, grad mode, the
+    default dtype, the thread count, and the switches that pick other kernels (oneDNN, fp32 matmul precision,
+    the attention fast path)."""
     return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled(),
-            torch.get_default_dtype(), torch.get_num_threads())
+            torch.get_default_dtype(), torch.get_num_threads(), torch.backends.mkldnn.enabled,
+            torch.get_float32_matmul_precision(), torch.backends.mha.get_fastpath_enabled())
 
 
 class RerunMemo:
@@ -304,8 +320,11 @@ class RerunMemo:
         if now is None or now[0] != frame.state:  # it changed its own state (a counter, its generator)
             return
         inputs = {_storage(t) for t in frame.tensors} | now[1]
-        # a view of an input or of a tensor the module holds: a copy in its place would not alias it
-        if any(_storage(t) in inputs or _storage(t) is None for t in _tensors(out)):
+        outs = _tensors(out)
+        # a view of an input, of a tensor the module holds or of another output: a copy in its place would not
+        # alias it; and a layout a copy would not have (expanded, overlapping, offset): kernels may tell
+        if any(_storage(t) in inputs or _storage(t) is None or not _dense(t) for t in outs) \
+                or len({_storage(t) for t in outs}) != len(outs):
             return
         self._entries.setdefault(frame.module, []).append(
             _Entry(fmt, frame.args, frame.kwargs, frame.versions, out, context, frame.holder, frame.state,

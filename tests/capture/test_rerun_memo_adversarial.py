@@ -642,3 +642,105 @@ def test_a_re_run_that_raises_leaves_the_model_as_it_was():
         assert torch.equal(model(x), before)
     torch.manual_seed(0)
     assert figures == _capture(Wrap(FailsUnderAutocast()), x, False)[0]
+
+
+# -- aliasing and layout of what is handed over ---------------------------------------------------------------------
+
+class Outputs(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.lin, self.kind = _lin(), kind
+
+    def forward(self, x):
+        y = self.lin(x) * 2
+        if self.kind == "twice":
+            return y, y
+        if self.kind == "view":
+            return y, y.view(-1)
+        if self.kind == "expanded":
+            return y[:, :1].expand(-1, D)
+        return y.t()
+
+
+class UsesOutputs(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.c, self.kind = Outputs(kind), kind
+
+    def forward(self, x):
+        out = self.c(x)
+        if self.kind in ("twice", "view"):
+            a, b = out
+            a.mul_(2)  # changes b too where b is a or a view of it
+            return a + b.view_as(a)
+        if self.kind == "expanded":
+            return out * 0.5 + float(out.stride(1))  # a result that depends on the layout
+        return out.t() + float(out.is_contiguous())
+
+
+@pytest.mark.parametrize("kind", ["twice", "view", "expanded", "transposed"])
+def test_outputs_that_alias_each_other_or_have_a_layout_of_their_own(kind):
+    with_reuse, without, _ = _both(lambda: Wrap(UsesOutputs(kind)))
+    assert with_reuse == without
+
+
+class KernelSwitch(nn.Module):
+    """Calls its child with oneDNN switched off in low precision only (so not in the child's own re-run, which
+    runs inside the reference call): the same arguments, other kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        with torch.backends.mkldnn.flags(enabled=not torch.is_autocast_enabled("cpu")):
+            a = self.conv(x)
+        return torch.tanh(a) * 0.5
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+def test_the_parent_switches_kernels():
+    with_reuse, without, reused = _both(lambda: nn.Sequential(KernelSwitch(), nn.Flatten(), nn.Linear(4 * 32, 4)),
+                                   x=lambda: torch.randn(8, 4, 32))
+    assert with_reuse == without
+    assert reused == 0
+
+
+@pytest.mark.parametrize("how", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_a_parametrized_child(how):
+    def make():
+        lin = _lin()
+        if how == "weight_norm":
+            lin = torch.nn.utils.parametrizations.weight_norm(lin)
+        elif how == "spectral_norm":
+            lin = torch.nn.utils.parametrizations.spectral_norm(lin)
+        else:
+            lin = torch.nn.utils.parametrizations.orthogonal(lin)
+
+        class P(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = lin
+
+            def forward(self, x):
+                return torch.tanh(self.lin(x)) * self.lin(x)
+
+        return Wrap(P()).train()
+
+    with_reuse, without, _ = _both(make)
+    assert with_reuse == without
+
+
+def test_multihead_attention_as_a_child():
+    class P(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(D, 2, batch_first=True)
+
+        def forward(self, x):
+            a, _ = self.mha(x, x, x, need_weights=False)
+            b, w = self.mha(x, x, x)
+            return a * b + w.sum()
+
+    with_reuse, without, _ = _both(lambda: Wrap(P()).eval(), x=lambda: torch.randn(2, 5, D))
+    assert with_reuse == without
