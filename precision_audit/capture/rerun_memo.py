@@ -308,7 +308,8 @@ class RerunMemo:
         """The child whose call ``frame`` was re-ran in ``fmt`` and returned ``out``: kept if an enclosing re-run
         can reuse it (see the module's docstring; the caller checks the hooks)."""
         if frame is None or frame.owner is None or frame.holder is None or frame.state is None \
-                or frame.values is None or rng_moved or not _storable(out):
+                or frame.values is None or rng_moved or not _storable(out) \
+                or isinstance(frame.owner, torch.jit.ScriptModule):
             return
         if tuple(t._version for t in frame.tensors) != frame.versions:  # the call changed its inputs in place
             return
@@ -353,18 +354,20 @@ class RerunMemo:
         try:
             for key, entries in self._entries.items():
                 mine = [e for e in entries if e.fmt is fmt]
-                if mine and key != id(rerun):
-                    m = modules[key]
+                m = modules[key]
+                # a TorchScript module keeps its forward elsewhere than its __dict__: never patched
+                if mine and key != id(rerun) and not isinstance(m, torch.jit.ScriptModule):
                     had = "forward" in m.__dict__
                     patched.append((m, had, m.__dict__.get("forward")))
-                    m.forward = self._answering(m, m.forward, mine, context_extra)
+                    # through __dict__: no __setattr__ of the user's runs, and what was there goes back exactly
+                    m.__dict__["forward"] = self._answering(m, m.forward, mine, context_extra)
             yield
         finally:
             for m, had, old in reversed(patched):
                 if had:
-                    m.forward = old
+                    m.__dict__["forward"] = old
                 else:
-                    del m.forward
+                    m.__dict__.pop("forward", None)
 
     def _answering(self, module: torch.nn.Module, forward: Any, entries: list[_Entry],
                    context_extra: Any) -> Any:
