@@ -11,14 +11,25 @@ computing it again (docs/performance.md, "Re-runs that reuse their children's").
 It is handed over only when it is certain to be the same result, else the child runs as before:
 
 - every argument of the child's call in the enclosing re-run is the very object of its reference call (tensors
-  by identity and unchanged version; other values equal), and the enclosing module's inputs include all of the
-  child's tensors (otherwise they are values the enclosing re-run computes anew, in low precision);
-- the child's re-run drew no random numbers (the generator's state did not move), did not change its inputs in
-  place, returned tensors (or tuples and lists of them) that share no memory with its inputs, and ran in
-  emulated mode; the child carries no forward hooks but the audit's own, and no global module hooks are set
-  (a hook could change the output after the forward, and would run again on the handed-over copy);
-- autocast is on with the same dtype, grad mode is off and the fp32-fallback dispatch mode is as it was when
-  the child re-ran.
+  by identity, unchanged version and the same bits, which a write through ``.data`` would change; other values
+  equal, floats by their bits; lists and dicts as they were at the call, not as the caller left them), and the
+  enclosing module's inputs include all of the child's tensors (otherwise they are values the enclosing re-run
+  computes anew, in low precision);
+- the child's state is what it was at its reference call: the attributes, parameters and held objects of it and
+  its submodules (an attribute or a tensor the parent sets before the call, a counter, a shared dict), and it
+  holds no buffers (a re-run swaps them for copies);
+- the child's call and re-run drew no random numbers (the CPU generator, Python's and NumPy's global generators
+  and any generator it holds did not move), did not change its inputs or its own state, returned tensors (or
+  tuples and lists of them) that share no memory with its inputs, its state or each other, each with the layout
+  a copy has (not expanded, not offset), and ran in emulated mode; the child carries no forward hooks but the
+  audit's own, is no TorchScript module, and no global module hooks are set (a hook could change the output
+  after the forward, and would run again on the handed-over copy);
+- autocast is on with the same dtype, grad mode is off, and the default dtype, thread count, oneDNN switch,
+  fp32 matmul precision, attention fast path and fp32-fallback dispatch mode are as they were when the child
+  re-ran.
+
+What it cannot see, a child reading state it does not hold (a global variable, another module's attribute, a
+generator it does not hold), is outside this guarantee.
 
 The enclosing re-run gets a copy of the output (it may change it in place). Entries are dropped when the
 outermost enclosing call that can use them ends, so at most the outputs of one block's first children per
@@ -159,21 +170,28 @@ def module_state(m: torch.nn.Module) -> tuple[tuple, set] | None:
     (a re-run swaps them for copies, so their identity tells nothing: never kept)."""
     storages: set = set()
     parts = []
-    for sub in m.modules():
-        if any(b is not None for b in sub._buffers.values()):
-            return None
-        parts.append(tuple((k, _fingerprint(v, storages)) for k, v in sub.__dict__.items()
-                           if k not in ("forward", "_modules", "_buffers") and "hook" not in k))
+    try:
+        for sub in m.modules():
+            if any(b is not None for b in sub._buffers.values()):
+                return None
+            parts.append(tuple((k, _fingerprint(v, storages)) for k, v in sub.__dict__.items()
+                               if k not in ("forward", "_modules", "_buffers") and "hook" not in k))
+    except Exception:  # an attribute that cannot be read so: never kept (the user's forward must not fail)
+        return None
     return tuple(parts), storages
 
 
 def _host_rng() -> tuple:
     """The states of Python's and NumPy's global generators (a child drawing from them is never kept)."""
-    np = sys.modules.get("numpy")
-    if np is None:
-        return (random.getstate(), None)
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return (random.getstate(), (kind, keys.tobytes(), pos, has_gauss, gauss))
+    np = sys.modules.get("numpy")  # not imported: nothing drew from it
+    numpy_state: Any = None
+    if np is not None:
+        try:
+            kind, keys, pos, has_gauss, gauss = np.random.get_state()
+            numpy_state = (kind, keys.tobytes(), pos, has_gauss, gauss)
+        except Exception:  # a NumPy without its legacy generator: a new object, so never equal
+            numpy_state = object()
+    return (random.getstate(), numpy_state)
 
 
 def _freeze(value: Any) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -39,6 +40,7 @@ def _both(make, x=None, formats=(Format.FP16, Format.BF16), seed=0):
     for reuse in (True, False):
         torch.manual_seed(seed)
         random.seed(seed)
+        np.random.seed(seed)
         model = make()
         torch.manual_seed(seed + 1)
         inp = torch.randn(4, D) if x is None else x()
@@ -526,6 +528,8 @@ class Noisy(nn.Module):
             return y + torch.rand(y.shape, generator=self.gen)
         if self.how == "python":
             return y * random.random()
+        if self.how == "numpy":
+            return y * float(np.random.rand())
         return y * float(torch.randint(1, 5, ()))
 
 
@@ -538,7 +542,7 @@ class CallsNoisy(nn.Module):
         return self.c(x) * torch.tanh(self.lin(x))
 
 
-@pytest.mark.parametrize("how", ["rand", "randint", "generator", "python"])
+@pytest.mark.parametrize("how", ["rand", "randint", "generator", "python", "numpy"])
 def test_a_child_that_draws_random_numbers(how):
     with_reuse, without, reused = _both(lambda: Wrap(CallsNoisy(how)))
     assert with_reuse == without
