@@ -171,11 +171,13 @@ def module_state(m: torch.nn.Module) -> tuple[tuple, set] | None:
     storages: set = set()
     parts = []
     try:
-        for sub in m.modules():
+        for name, sub in m.named_modules(remove_duplicate=False):
             if any(b is not None for b in sub._buffers.values()):
                 return None
-            parts.append(tuple((k, _fingerprint(v, storages)) for k, v in sub.__dict__.items()
-                               if k not in ("forward", "_modules", "_buffers") and "hook" not in k))
+            # which module sits where (a parent may swap its child's activation for another) and of what class
+            parts.append((name, id(sub), type(sub),
+                          tuple((k, _fingerprint(v, storages)) for k, v in sub.__dict__.items()
+                                if k not in ("forward", "_modules", "_buffers") and "hook" not in k)))
     except Exception:  # an attribute that cannot be read so: never kept (the user's forward must not fail)
         return None
     return tuple(parts), storages

@@ -289,8 +289,32 @@ class ChangesSharedDict(nn.Module):
         return a * 0.5 + self.c(x)
 
 
+class ActChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = _lin(), nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.lin(x)) * 2
+
+
+class SwapsChildsActivation(nn.Module):
+    """The parent swaps its child's activation for another one whose attributes look the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.acts = ActChild(), nn.ModuleList([nn.Tanh(), nn.Sigmoid()])
+
+    def forward(self, x):
+        self.c.act = self.acts[0]
+        a = self.c(x)
+        self.c.act = self.acts[1]
+        return a * 0.5 + self.c(x)
+
+
 @pytest.mark.parametrize("inner", [SetsChildAttribute, LeavesChildChanged, CallsCounting,
-                                   CallsBufferCountingTwice, SetsTensorAttribute, ChangesSharedDict])
+                                   CallsBufferCountingTwice, SetsTensorAttribute, ChangesSharedDict,
+                                   SwapsChildsActivation])
 def test_a_child_that_reads_state_besides_its_arguments(inner):
     with_reuse, without, _ = _both(lambda: Wrap(inner()))
     assert with_reuse == without
