@@ -268,7 +268,16 @@ def autocast_context() -> tuple:
     the attention fast path)."""
     return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_grad_enabled(),
             torch.get_default_dtype(), torch.get_num_threads(), torch.backends.mkldnn.enabled,
-            torch.get_float32_matmul_precision(), torch.backends.mha.get_fastpath_enabled())
+            _matmul_precision(), torch.backends.mha.get_fastpath_enabled())
+
+
+def _matmul_precision() -> Any:
+    """The fp32 matmul precision; a new object (equal to nothing) where the getter refuses to say (it raises when
+    the user set the precision through both the legacy and the new API): the re-run must not fail for it."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except Exception:
+        return object()
 
 
 class RerunMemo:
