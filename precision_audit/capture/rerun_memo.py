@@ -312,10 +312,15 @@ class RerunMemo:
             # the record of the call as it was made (the caller may change a list it passed afterwards), what
             # the module held, its inputs' values (a write through .data moves no version) and the host's
             # generators: all compared again after the call and before a reuse
-            frame.args, frame.kwargs = frozen
-            frame.owner, frame.holder, frame.state = m, holder.module, state[0]
-            frame.values = [self._value(t) for t in ts]
-            frame.host_rng = _host_rng()
+            try:
+                values = [self._value(t) for t in ts]
+            except Exception:  # a tensor that cannot be copied: never kept (the user's forward must not fail)
+                values = None
+            if values is not None:
+                frame.args, frame.kwargs = frozen
+                frame.owner, frame.holder, frame.state = m, holder.module, state[0]
+                frame.values = values
+                frame.host_rng = _host_rng()
         self._frames.append(frame)
 
     def _value(self, t: torch.Tensor) -> torch.Tensor:
