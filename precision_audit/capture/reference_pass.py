@@ -27,7 +27,6 @@ from .emulation import rounding_registry_paused
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
-from .rerun_memo import autocast_context, plain_call
 from .session_state import SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram
@@ -160,7 +159,7 @@ class ReferencePass(SessionState):
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[torch.Tensor]] = {}
-        pre_rng, snapshot, draw_start, frame = pre_rng
+        pre_rng, snapshot, draw_start = pre_rng
         self._rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
@@ -172,13 +171,13 @@ class ReferencePass(SessionState):
                     args, kwargs = copy.deepcopy(snapshot)
                 try:
                     try:
-                        out, ctx = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
                     except Exception as e:
                         if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
                             raise
                         self._use_gemm_mode = True
                         self._set_rng_state(pre_rng)
-                        out, ctx = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
                 except torch.OutOfMemoryError:
                     # not a finding of this module: a "not measured" here would read as zero impact to the
                     # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
@@ -186,10 +185,6 @@ class ReferencePass(SessionState):
                 except Exception as e:  # the module fails under autocast: reported, not fatal
                     fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
                     continue
-                if snapshot is None and plain_call(m, self._hook_ids):
-                    # an enclosing module's re-run may take this output (capture/rerun_memo.py)
-                    moved = not torch.equal(torch.get_rng_state(), pre_rng[0])
-                    self._memo.offer(frame, fmt, out, moved, (*ctx, self._use_gemm_mode))
                 ps = float_tensors(out)
                 if len(ps) != len(ys) or any(p.shape != y.shape for p, y in zip(ps, ys)):
                     fs.local_note = "not measured: the re-run returned outputs of another structure"
@@ -213,20 +208,16 @@ class ReferencePass(SessionState):
             self._rerunning = False
         return diffs
 
-    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str],
-                    draw_start: int = 0) -> tuple[Any, tuple]:
-        """``m`` alone in ``fmt``: its output, and the numerics context it ran in (capture/rerun_memo.py)."""
+    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
         # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op.
         with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), \
-                self._same_draws(fmt, draw_start), \
-                self._memo.reusing(self._modules, m, fmt, self._use_gemm_mode):
-            ctx = autocast_context()
+                self._same_draws(fmt, draw_start):
             if not buffer_names:
-                return m(*args, **kwargs), ctx
+                return m(*args, **kwargs)
             buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}
-            return torch.func.functional_call(m, buffers, args, kwargs, strict=False), ctx
+            return torch.func.functional_call(m, buffers, args, kwargs, strict=False)
 
     def _reference_grad(self, rec: LayerRecord, g: torch.Tensor, diffs: dict[Format, torch.Tensor] | None,
                         own: tuple[int, Any] | None) -> None:

@@ -48,7 +48,6 @@ from .op_tracker import OpTracker
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import ReferencePass, snapshot_state
 from .reference_store import ReferenceStore
-from .rerun_memo import RerunMemo
 from .rng_replay import RandomDraws, recording, replaying
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
@@ -154,7 +153,6 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = {}
         self._loss_ref: Any = None
         self._hooks: list[Any] = []
-        self._hook_ids: set[int] = set()  # the ids of the session's own module hooks (capture/rerun_memo.py)
         self._exit = contextlib.ExitStack()
         self._policy: CudaAutocastPolicy | None = None
         self._gemm = LowPrecisionGemmMode()
@@ -162,9 +160,6 @@ class CaptureSession(ReferencePass, FormatPasses):
         # kernel with no Half/BFloat16 implementation (then every later pass uses it).
         self._use_gemm_mode = False
         self._timer = StepTimer(self)
-        # a module's re-run takes the outputs of its children's own re-runs where they are certain to be the
-        # same bits (emulated mode: the CPU generator and kernels; capture/rerun_memo.py)
-        self._memo = RerunMemo(config.mode == "emulated", model)
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:
@@ -190,7 +185,6 @@ class CaptureSession(ReferencePass, FormatPasses):
         for m in self.model.modules():
             self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
-        self._hook_ids = {h.id for h in self._hooks}
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:
@@ -237,7 +231,6 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._call_index.clear()
         self._stat_cache.clear()
         self._producers.clear()
-        self._memo.clear()
         self._loss_ref = None
 
     def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -391,7 +384,6 @@ class CaptureSession(ReferencePass, FormatPasses):
             if self._phase == "ref":
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
-                self._memo.enter(m, args, kwargs)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._phase == "profile":
@@ -415,9 +407,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         ys = float_tensors(output)
         diffs: dict[Format, list[torch.Tensor]] = {}
         if self._phase == "ref":
-            frame = self._memo.leave(m)
-            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, (*pre_rng, frame), own_work)
-            self._memo.release(m)
+            diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
         else:
             self._post_format(m, rec, ys)
         for i, y in enumerate(ys):

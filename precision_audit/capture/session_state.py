@@ -18,7 +18,6 @@ import torch
 from ..formats import Format
 from .records import LayerRecord, RunRecord
 from .reference_store import ReferenceStore
-from .rerun_memo import RerunMemo
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 
 RngState = tuple[torch.Tensor, torch.Tensor | None]
@@ -52,8 +51,6 @@ class SessionState:
     _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
     _loss_ref: Any
     _refs: ReferenceStore
-    _hook_ids: set[int]  # the session's own module hooks
-    _memo: RerunMemo  # re-run outputs an enclosing module's re-run reuses (capture/rerun_memo.py)
 
     # the session's helpers (defined in capture/session.py)
     _reset: Callable[[], None]

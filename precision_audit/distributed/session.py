@@ -123,9 +123,6 @@ class DistributedCaptureSession(CaptureSession):
         self._noise_patch = contextlib.ExitStack()
         self._original_types = dict(original_types or {})  # before fully_shard swapped the classes
         self._grads = GradTaker(self)  # FSDP2's sharded gradients read as they arrive, then freed (grads.py)
-        # No re-run takes a child's output from the child's own re-run across ranks: a kept child that holds an
-        # FSDP unit would skip that unit's all-gather on a rank whose decision differed (docs/distributed.md)
-        self._memo.enabled = False
         if untracked is not None:
             untracked.session = self
 
