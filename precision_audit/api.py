@@ -6,8 +6,9 @@ takes (a tensor, a tuple/list ``(inputs..., target)``, a dict of keyword inputs)
 same order: ``loss_fn`` -> the model's own ``output.loss`` -> cross-entropy / MSE from the target -> a surrogate
 (precision_audit/loading.py).
 
-The model is left exactly as it was: every pass runs on a copy, with the random generators forked
-(precision_audit/capture/runner.py), and the batch is copied before the audit sees it.
+The model is left exactly as it was: the passes run on the model itself and put back what they change, the
+random generators forked (capture/session.py, capture/model_state.py; docs/memory.md), and the batch is copied
+before the audit sees it.
 
 Example::
 

@@ -36,8 +36,10 @@ class ModelState:
         self._dicts: list[tuple[torch.nn.Module, dict[str, Any], dict[str, dict]]] = []
         for m in self.modules:
             attrs = dict(m.__dict__)
+            # plain dicts only: a TorchScript module's _parameters/_buffers/_modules are read-only views of its
+            # C++ state (OrderedDictWrapper), which no pass changes and which cannot be refilled
             inner = {k: dict(v) for k, v in attrs.items()
-                     if k in ("_parameters", "_buffers", "_modules") or _is_hook_dict(k, v)}
+                     if isinstance(v, dict) and (k in ("_parameters", "_buffers", "_modules") or _is_hook_dict(k, v))}
             self._dicts.append((m, attrs, inner))
         seen: set[int] = set()
         self._params: list[tuple[torch.nn.Parameter, torch.Tensor, bool, torch.Tensor | None]] = []

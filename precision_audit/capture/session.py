@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import AuditError, ModelRunError
+from ..errors import AuditError, ModelLoadError, ModelRunError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..outputs import _NoInterrupt
 from ..tf32_switches import tf32_switches
@@ -182,7 +182,15 @@ class CaptureSession(ReferencePass, FormatPasses):
         return self
 
     def _install_hooks(self) -> None:
+        if isinstance(self.model, torch.jit.ScriptModule):
+            raise ModelLoadError("the model is a TorchScript module, whose layers cannot be hooked one by one",
+                                 found=f"{type(self.model).__name__} (torch.jit.script or torch.jit.trace)",
+                                 hint="audit the eager nn.Module you script (a scripted submodule inside an eager "
+                                      "model is fine: it is measured as part of its parent)")
         for m in self.model.modules():
+            if isinstance(m, torch.jit.ScriptModule):
+                # TorchScript modules take no Python hooks; their ops count as their eager parent's own work
+                continue
             self._hooks.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._hooks.append(m.register_forward_hook(self._post_hook, with_kwargs=True))
 

@@ -54,9 +54,10 @@ _FINGERPRINT = re.compile(r"sha256:[0-9a-f]{64}")  # names listed per category i
 
 def _wrapped_inner(m: torch.nn.Module) -> torch.nn.Module | None:
     """The module a training wrapper holds, or None: torch.compile's OptimizedModule, DDP, DataParallel."""
-    inner = m._modules.get("_orig_mod")
-    if inner is not None and type(m).__name__ == "OptimizedModule":
-        return inner
+    if type(m).__name__ == "OptimizedModule":  # (a TorchScript module's _modules has no .get: not asked)
+        inner = m._modules.get("_orig_mod")
+        if inner is not None:
+            return inner
     if isinstance(m, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         return m.module
     return None

@@ -87,6 +87,8 @@ class _SourceProbe:
     """
 
     def __init__(self, modules: list[tuple[str, torch.nn.Module]], backward: bool) -> None:
+        # TorchScript modules take no Python hooks: what they compute is attributed to their eager parent
+        modules = [(n, m) for n, m in modules if not isinstance(m, torch.jit.ScriptModule)]
         self.names = [n for n, _ in modules]
         self.backward = backward
         self.fwd: list[tuple[int, list, list]] = []  # (module index, input ranges, output ranges)
