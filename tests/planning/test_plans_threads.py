@@ -83,7 +83,11 @@ def test_the_full_plan_is_the_same_at_1_and_2_threads(audits):
     two, one = audits
     # the two orders really differ on this model (else the test could not fail)
     assert two["noise_floor"]["threads"] == [2, 1] and one["noise_floor"]["threads"] == [1, 2]
-    assert two["noise_floor"]["fp32_loss_rel"] > 0
+    if two["noise_floor"]["fp32_loss_rel"] == 0 and not any(two["noise_floor"]["fp32_layers_rel_l2"].values()):
+        # Measured on an AVX-512 + AMX Xeon (2026-11-27): oneDNN sums these convolutions in the same order at 1
+        # and 2 threads, so both audits measure the same numbers and the comparison below could not fail
+        pytest.skip("on this CPU the model's FP32 sums do not depend on the thread count (fp32_loss_rel 0, every "
+                    "sampled layer equal): nothing here can make the plans differ")
     assert two["plan"]["chosen"] == "mixed" == one["plan"]["chosen"]
     assert two["plan"]["default_format"] == one["plan"]["default_format"]
     overrides = [{n: o["format"] for n, o in a["plan"]["overrides"].items()} for a in audits]
