@@ -24,6 +24,7 @@ from ..formats import Format
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .reference_pass import BatchCall, batch_call_note
 from .session_state import SessionState
 from .shards import owned_part
 from .stats import ErrorStats
@@ -55,10 +56,18 @@ class FormatPasses(SessionState):
             if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
                 # A CPU kernel has no fp16/bf16 version: redo the pass with the fp32-fallback dispatch mode on.
                 self._use_gemm_mode = True
-                for rec in self.layers.values():
+                # The reference pass's figures stay (local errors and loss impacts of the re-runs); those this
+                # pass measured (calls on the batch: BatchCall) are measured again with the new dispatch
+                batch = {mid for mid, _ in self._batch_call_records}
+                for mid, rec in self.layers.items():
                     if fmt in rec.formats:
                         old = rec.formats[fmt]
-                        rec.formats[fmt] = FormatLayerStats(local=old.local, local_note=old.local_note)
+                        fresh = FormatLayerStats(local=old.local, local_note=old.local_note,
+                                                 loss_impact=old.loss_impact, loss_impact_abs=old.loss_impact_abs,
+                                                 impact_measured=old.impact_measured)
+                        if mid in batch:
+                            fresh = FormatLayerStats(local_note=batch_call_note(fmt))
+                        rec.formats[fmt] = fresh
                 return self.format_run(fmt, loss_scale)
             run.error = f"{type(f.error).__name__}: {f.error}" + (f" (in module '{f.where}')" if f.where else "")
         finally:
@@ -141,7 +150,7 @@ class FormatPasses(SessionState):
             self._stack.clear()
         return run
 
-    def _post_format(self, m, rec: LayerRecord, ys) -> None:
+    def _post_format(self, m, rec: LayerRecord, ys, args, kwargs, pre) -> None:
         fmt = self._phase
         assert isinstance(fmt, Format)
         fs = rec.formats.setdefault(fmt, FormatLayerStats())
@@ -152,8 +161,48 @@ class FormatPasses(SessionState):
             fs.activation.merge(self._summary_of(y))
             fs.output_dtypes.add(str(y.dtype).removeprefix("torch."))
         refs = self._ref_outputs.get(id(m), [])
-        if k >= len(refs) or len(refs[k]) != len(ys) or any(r.shape != y.shape for r, y in zip(refs[k], ys)):
+        matched = k < len(refs) and len(refs[k]) == len(ys) and all(r.shape == y.shape for r, y in zip(refs[k], ys))
+        call = self._batch_call_records.get((id(m), k))
+        if call is not None:  # a call on the batch: its local error is this output's (BatchCall)
+            self._measure_batch_call(m, fs, fmt, call, refs[k] if matched else None, args, kwargs, pre, ys)
+        if not matched:
             fs.unmatched_calls += 1
             return
         for r, y in zip(refs[k], ys):
             fs.accumulated.merge(self._error_of(r, y))
+
+    def _measure_batch_call(self, m, fs: FormatLayerStats, fmt: Format, call: BatchCall,
+                            refs: list[torch.Tensor] | None, args, kwargs, pre, ys) -> None:
+        """The local error and the loss impact of a call on the batch, from this pass's output of it."""
+        ps = self._batch_call_output(m, fmt, call, args, kwargs, pre, ys)
+        if isinstance(ps, str):
+            fs.local_note = ps
+            return
+        if refs is None or len(ps) != len(refs) or any(r.shape != p.shape for r, p in zip(refs, ps)):
+            fs.local_note = "not measured: the re-run returned outputs of another structure"
+            return
+        if fs.local is None:
+            fs.local = ErrorStats()
+            fs.local_note = None
+        for v in self._batch_call_impacts(call, refs, ps, fs.local):
+            fs.loss_impact += v
+            fs.loss_impact_abs += abs(v)
+            fs.impact_measured = True
+
+    def _post_batch_only(self, m, args, kwargs, pre, ys) -> None:
+        """A forward at the second order (capture/noise.py): each call on the batch's |loss impact| at that order,
+        from the outputs that pass's FP32 repeat kept (BatchCall.refs), into ``_batch_sink``."""
+        fmt = self._phase
+        assert isinstance(fmt, Format) and self._batch_sink is not None
+        k = self._call_index.get(id(m), 0)
+        self._call_index[id(m)] = k + 1
+        call = self._batch_call_records.get((id(m), k))
+        if call is None or call.refs is None:
+            return
+        ps = self._batch_call_output(m, fmt, call, args, kwargs, pre, ys)
+        if isinstance(ps, str) or len(ps) != len(call.refs) or any(r.shape != p.shape for r, p in zip(call.refs, ps)):
+            return
+        impacts = self._batch_call_impacts(call, call.refs, ps, None)
+        if impacts:
+            per = self._batch_sink.setdefault(self._names.get(id(m), "?"), {})
+            per[fmt] = per.get(fmt, 0.0) + sum(abs(v) for v in impacts)

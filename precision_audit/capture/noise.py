@@ -141,9 +141,47 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
               "count does not change a kernel's reduction order: this measures run-to-run nondeterminism only)"
               if cuda else f"the FP32 reference and each format re-run forward with {alt} CPU thread(s) instead of "
                            f"{main}: the GEMMs and convolutions split their sums differently")
+    impacts: dict[str, dict[Format, float | None]] | None = None
+    note: str | None = "not measured: on CUDA the thread count does not change the reduction order"
+    wall = None
+    if alt is not None:
+        # First: it leaves the calls on the batch (BatchCall) whose impacts at this order the format forwards
+        # below measure, from their outputs (capture/format_pass.py, _post_batch_only)
+        t0 = time.perf_counter()
+        impacts, note = second_order_impacts(session, alt)
+        wall = time.perf_counter() - t0
+    sink: dict[str, dict[Format, float]] | None = {} if impacts is not None and any(
+        c.refs is not None for c in session._batch_call_records.values()) else None
+    with _threads(alt):
+        ref_loss, alt_outputs, out_err, layer_err = _fp32_forward(session)
+        runs: dict[Format, OrderRun] = {}
+        for f in formats:
+            run = session.runs.get(f)
+            if run is not None and run.error:
+                continue
+            t0 = time.perf_counter()
+            runs[f] = _format_forward(session, f, alt_outputs, sink)
+            if sink is not None and wall is not None:
+                wall += time.perf_counter() - t0
+    session._reset()
+    session._batch_call_records.clear()
+    if impacts is not None and sink is not None:
+        for name, per in sink.items():
+            impacts.setdefault(name, {}).update(per)
+    main_loss = session.reference.loss if session.reference else None
+    loss_rel = (abs(ref_loss - main_loss) / abs(main_loss) if main_loss else abs(ref_loss - (main_loss or 0.0))) \
+        if ref_loss is not None and main_loss is not None else math.nan
+    return NoiseFloor(method=method, threads=None if alt is None else (main, alt), reference_loss=ref_loss,
+                      loss_rel=loss_rel, output_rel_error=out_err,
+                      layers={n: e.rel_l2 for n, e in layer_err.items()}, runs=runs, outputs=alt_outputs,
+                      impacts=impacts, impacts_note=note, impacts_wall_s=wall)
+
+
+def _fp32_forward(session) -> tuple[float | None, list[torch.Tensor] | None, float, dict[str, ErrorStats]]:
+    """The FP32 forward at this order: (its loss, its outputs, their error against the main order's, and a sample
+    of layers' outputs against the main order's)."""
     ref_store = session._ref_outputs  # the reference pass's FP32 outputs, per module and call
     root_ref = (ref_store.get(id(session.model)) or [None])[0]
-    sample = _sample(session)
     layer_err: dict[str, ErrorStats] = {}
     hooks = []
 
@@ -160,48 +198,25 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
             layer_err[name] = e
         return hook
 
-    alt_outputs: list[torch.Tensor] | None = None
-    ref_loss: float | None = None
+    for m in _sample(session):
+        hooks.append(m.register_forward_hook(hook_for(session._names[id(m)], id(m))))
     out_err = math.nan
-    with _threads(alt):
-        for m in sample:
-            hooks.append(m.register_forward_hook(hook_for(session._names[id(m)], id(m))))
-        try:
-            session._reset()
-            with torch.no_grad(), session._fp32_reference_switches():
-                out = session._forward(session.model)
-                ref_loss = float(session._loss_of(out).detach().float())
-            alt_outputs = [y.detach().clone() for y in float_tensors(out)]
-            if root_ref is not None and len(root_ref) == len(alt_outputs):
-                e = ErrorStats()
-                for r, y in zip(root_ref, alt_outputs):
-                    e.update(session._refs.on(r, y), y)
-                out_err = e.rel_l2
-        finally:
-            for h in hooks:
-                h.remove()
-            session._stack.clear()
-        runs: dict[Format, OrderRun] = {}
-        for f in formats:
-            run = session.runs.get(f)
-            if run is not None and run.error:
-                continue
-            runs[f] = _format_forward(session, f, alt_outputs)
-    session._reset()
-    impacts: dict[str, dict[Format, float | None]] | None = None
-    note: str | None = "not measured: on CUDA the thread count does not change the reduction order"
-    wall = None
-    if alt is not None:
-        t0 = time.perf_counter()
-        impacts, note = second_order_impacts(session, alt)
-        wall = time.perf_counter() - t0
-    main_loss = session.reference.loss if session.reference else None
-    loss_rel = (abs(ref_loss - main_loss) / abs(main_loss) if main_loss else abs(ref_loss - (main_loss or 0.0))) \
-        if ref_loss is not None and main_loss is not None else math.nan
-    return NoiseFloor(method=method, threads=None if alt is None else (main, alt), reference_loss=ref_loss,
-                      loss_rel=loss_rel, output_rel_error=out_err,
-                      layers={n: e.rel_l2 for n, e in layer_err.items()}, runs=runs, outputs=alt_outputs,
-                      impacts=impacts, impacts_note=note, impacts_wall_s=wall)
+    try:
+        session._reset()
+        with torch.no_grad(), session._fp32_reference_switches():
+            out = session._forward(session.model)
+            ref_loss = float(session._loss_of(out).detach().float())
+        alt_outputs = [y.detach().clone() for y in float_tensors(out)]
+        if root_ref is not None and len(root_ref) == len(alt_outputs):
+            e = ErrorStats()
+            for r, y in zip(root_ref, alt_outputs):
+                e.update(session._refs.on(r, y), y)
+            out_err = e.rel_l2
+    finally:
+        for h in hooks:
+            h.remove()
+        session._stack.clear()
+    return ref_loss, alt_outputs, out_err, layer_err
 
 
 def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, float | None]] | None, str | None]:
@@ -239,12 +254,18 @@ def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, 
         session._reset()
 
 
-def _format_forward(session, fmt: Format, ref_outputs: list[torch.Tensor] | None) -> OrderRun:
+def _format_forward(session, fmt: Format, ref_outputs: list[torch.Tensor] | None,
+                    sink: dict[str, dict[Format, float]] | None = None) -> OrderRun:
+    """``fmt``'s forward at this order; with ``sink``, also the |loss impact| of each call on the batch (whose
+    local error is its output in this forward: capture/reference_pass.py, BatchCall), into ``sink``."""
     session._reset()
     try:
+        if sink is not None:
+            session._phase, session._batch_sink = fmt, sink
         with torch.no_grad(), session._autocast(fmt):
             out = session._forward(session.model)
             loss = float(session._loss_of(out).detach().float())
+        session._phase, session._batch_sink = None, None
         ys = float_tensors(out)
         err = None
         if ref_outputs is not None and len(ref_outputs) == len(ys):
@@ -256,6 +277,7 @@ def _format_forward(session, fmt: Format, ref_outputs: list[torch.Tensor] | None
     except Exception as e:  # reported beside the figure, never fatal: the main pass already measured it
         return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
     finally:
+        session._phase, session._batch_sink = None, None
         session._stack.clear()
 
 

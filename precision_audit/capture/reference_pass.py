@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,12 +28,37 @@ from .emulation import rounding_registry_paused
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
-from .session_state import SessionState
+from .session_state import RngState, SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram
 
 CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
                   "measured)")
+
+
+def batch_call_note(fmt: Format) -> str:
+    """A call on the batch itself whose local error the ``fmt`` pass did not reach (it failed before)."""
+    return f"not measured: its inputs are the batch, so its local error is the {fmt} pass's, which did not reach it"
+
+
+@dataclass
+class BatchCall:
+    """A module call whose every tensor argument is one of the batch's own tensors, unchanged (docs/performance.md,
+    "Calls on the batch"): the model's body under its task head, an encoder on the input features.
+
+    Its inputs in a format pass are the FP32 pass's by identity, so its local error is its output there: the
+    format pass measures it instead of a re-run alone per format, which for such a module is a whole forward of
+    most of the model. Kept until then: the random state before the call, its arguments, the FP32 pass's dL/dy
+    of each output (for the first-order loss impact), and, at the second order (which keeps no FP32 outputs),
+    the outputs themselves.
+    """
+
+    rng: RngState
+    args: tuple
+    kwargs: dict
+    versions: list[int]  # of the tensor arguments, in _tensors_in order: an in-place change disqualifies
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output slot -> dL/dy of the FP32 backward
+    refs: list[torch.Tensor] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
 
 
 class ReferencePass(SessionState):
@@ -41,6 +67,7 @@ class ReferencePass(SessionState):
     def reference_run(self) -> RunRecord:
         """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
         self._reset()
+        self._batch_tensors, self._batch_call_records = {}, {}
         self._phase = "ref"
         t0 = time.perf_counter()
         try:
@@ -152,8 +179,36 @@ class ReferencePass(SessionState):
             elif container and fs.local is None:
                 fs.local_note = CONTAINER_NOTE
         if computes and not container and rec.name != "" and self.config.formats and ys:
-            return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+            call = self._batch_call(args, kwargs, pre_rng)
+            if call is None:
+                return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+            self._defer_to_format_passes(m, rec, call, ys)
         return {}
+
+    def _batch_call(self, args, kwargs, pre_rng) -> BatchCall | None:
+        """A :class:`BatchCall` when every tensor argument of this call is one of the batch's, unchanged, and the
+        format passes can stand in for its re-runs (emulated mode, one process, no mutable objects in the call)."""
+        rng, snapshot, _ = pre_rng
+        if not self._batch_calls or self.config.mode != "emulated" or snapshot is not None:
+            return None
+        ts = _tensors_in((args, kwargs))
+        for t in ts:
+            hit = self._batch_tensors.get(id(t))
+            if hit is None or hit[0] is not t or hit[1] != t._version:
+                return None
+        return BatchCall(rng=rng, args=args, kwargs=kwargs, versions=[t._version for t in ts])
+
+    def _defer_to_format_passes(self, m, rec: LayerRecord, call: BatchCall, ys) -> None:
+        self._batch_call_records[(id(m), rec.calls - 1)] = call
+        for fmt in self.config.formats:
+            fs = rec.formats[fmt]
+            if fs.local is None:
+                fs.local_note = batch_call_note(fmt)
+        if self._impacts_only:
+            call.refs = [y.detach().clone() for y in ys]
+        for i, y in enumerate(ys):
+            if y.requires_grad:
+                y.register_hook(_keep_grad(call, i))
 
     def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre_rng) -> dict[Format, list[torch.Tensor]]:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
@@ -208,6 +263,45 @@ class ReferencePass(SessionState):
             self._rerunning = False
         return diffs
 
+    def _batch_call_output(self, m, fmt: Format, call: BatchCall, args, kwargs, pre: RngState | None,
+                          ys: list[torch.Tensor]) -> list[torch.Tensor] | str:
+        """The outputs of ``call`` in ``fmt``: the format pass's own ``ys`` when this call got the same tensors and
+        random state as the FP32 one (else a re-run on the FP32 call's arguments), or why it is not measured."""
+        ts = _tensors_in((args, kwargs))
+        ref_ts = _tensors_in((call.args, call.kwargs))
+        if any(t._version != v for t, v in zip(ref_ts, call.versions)):
+            return "not measured: the batch was changed in place before this call's low-precision pass"
+        if (pre is not None and len(ts) == len(ref_ts) and all(a is b for a, b in zip(ts, ref_ts))
+                and _same_rng(pre, call.rng)):
+            return ys
+        now = self._rng_state()
+        self._rerunning = True
+        try:
+            self._set_rng_state(call.rng)
+            out = self._rerun_once(m, fmt, call.args, call.kwargs, [n for n, _ in m.named_buffers()])
+        finally:
+            self._set_rng_state(now)
+            self._rerunning = False
+        return float_tensors(out)
+
+    def _batch_call_impacts(self, call: BatchCall, refs: list[torch.Tensor], ps: list[torch.Tensor],
+                           local: ErrorStats | None) -> list[float]:
+        """The first-order loss impact <dL/dy, y_p - y> of each output with an FP32 gradient, as the re-run's
+        would be (same bf16 difference, same product); ``local``: also merge the outputs into this local error."""
+        impacts = []
+        for i, (r, p) in enumerate(zip(refs, ps)):
+            y = self._refs.on(r, p)
+            finite: bool | None = None
+            if local is not None:
+                before = local.ref_nonfinite
+                local.update(y, p.detach())
+                finite = local.ref_nonfinite == before
+            g = call.grads.get(i)
+            if g is not None:
+                d = _diff_bf16(y, p.detach(), finite)
+                impacts.append(float((g.double() * d.double()).sum()))
+        return impacts
+
     def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
@@ -259,6 +353,19 @@ def _diff_bf16(y: torch.Tensor, p: torch.Tensor, finite: bool | None) -> torch.T
         if finite:
             return torch.sub(p, y).to(torch.bfloat16)
     return torch.where(torch.isfinite(y), p.float() - y, 0.0).to(torch.bfloat16)
+
+
+def _keep_grad(call: BatchCall, slot: int):
+    def hook(g: torch.Tensor) -> None:
+        if g is not None:
+            call.grads[slot] = g.detach().clone()
+    return hook
+
+
+def _same_rng(a: RngState, b: RngState) -> bool:
+    if not torch.equal(a[0], b[0]):
+        return False
+    return a[1] is None and b[1] is None or (a[1] is not None and b[1] is not None and torch.equal(a[1], b[1]))
 
 
 def _holds_objects(value: Any) -> bool:

@@ -46,7 +46,7 @@ from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
-from .reference_pass import ReferencePass, snapshot_state
+from .reference_pass import BatchCall, ReferencePass, _tensors_in, snapshot_state
 from .reference_store import ReferenceStore
 from .rng_replay import RandomDraws, recording, replaying
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
@@ -92,6 +92,11 @@ class CaptureSession(ReferencePass, FormatPasses):
             result = s.result()
     """
 
+    #: whether a module called on the batch itself takes its local error from the format passes instead of a
+    #: re-run (capture/reference_pass.py, BatchCall); the distributed session, which adds up the re-runs' figures
+    #: over ranks after the reference pass, keeps the re-runs
+    _batch_calls = True
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -135,6 +140,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
         self._draw_mismatches = 0
         self._rerunning = False
+        # Calls on the batch itself (capture/reference_pass.py, BatchCall): the root call's tensor arguments with
+        # their versions, and (module, call) -> what the format passes need to measure the call's local error
+        self._batch_tensors: dict[int, tuple[torch.Tensor, int]] = {}
+        self._batch_call_records: dict[tuple[int, int], BatchCall] = {}
+        # the second order's format forwards (capture/noise.py): name -> format -> |loss impact| of batch calls
+        self._batch_sink: dict[str, dict[Format, float]] | None = None
         # The reference pass repeated at the second reduction order (capture/noise.py) is read for its loss
         # impacts only: it skips what only the first pass's records use (docs/performance.md, "Second order")
         self._impacts_only = False
@@ -387,11 +398,15 @@ class CaptureSession(ReferencePass, FormatPasses):
             self._stack.append(id(m))
             self._own_ops.append(0)
             self._own_work.append(0)
-            self._pre_rng.append((self._rng_state(), snapshot_state(args, kwargs), len(self._draws))
-                                 if self._phase == "ref" else None)
             if self._phase == "ref":
+                if m is self.model:  # the batch as the model is given it (calls on it: BatchCall)
+                    self._batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
+                self._pre_rng.append((self._rng_state(), snapshot_state(args, kwargs), len(self._draws)))
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
+            else:  # a format pass: the random state before a call on the batch, to check it is the FP32 pass's
+                key = (id(m), self._call_index.get(id(m), 0))
+                self._pre_rng.append(self._rng_state() if key in self._batch_call_records else None)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self._phase == "profile":
@@ -411,13 +426,16 @@ class CaptureSession(ReferencePass, FormatPasses):
         own_ops = self._own_ops.pop()
         own_work = self._own_work.pop()
         pre_rng = self._pre_rng.pop()
-        rec = self._layer(m)
         ys = float_tensors(output)
+        if self._batch_sink is not None:  # the second order's format forward: calls on the batch only
+            self._post_batch_only(m, args, kwargs, pre_rng, ys)
+            return
+        rec = self._layer(m)
         diffs: dict[Format, list[torch.Tensor]] = {}
         if self._phase == "ref":
             diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
         else:
-            self._post_format(m, rec, ys)
+            self._post_format(m, rec, ys, args, kwargs, pre_rng)
         for i, y in enumerate(ys):
             own = self._phase == "ref" and self._note_producer(rec, i, y)
             if y.requires_grad:

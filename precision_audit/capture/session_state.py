@@ -44,6 +44,10 @@ class SessionState:
     _call_ops: dict[tuple[int, int], tuple[int, int]]  # each call's op counts from the first pass
     _stack: list[int]
     _call_index: dict[int, int]
+    _batch_calls: bool
+    _batch_tensors: dict[int, tuple[torch.Tensor, int]]
+    _batch_call_records: dict[tuple[int, int], Any]  # (module, call) -> BatchCall (capture/reference_pass.py)
+    _batch_sink: dict[str, dict[Format, float]] | None
     _ref_outputs: dict[int, list[list[torch.Tensor]]]
     _ref_grad_nonfinite: dict[int, torch.Tensor]
     _clone_cache: dict[int, tuple[int, torch.Tensor]]
@@ -65,3 +69,5 @@ class SessionState:
     _summary_of: Callable[[torch.Tensor], RangeSummary]
     _error_of: Callable[[torch.Tensor, torch.Tensor], ErrorStats]
     _clone_ref: Callable[[torch.Tensor], torch.Tensor]
+    _batch_call_output: Callable[..., Any]  # capture/reference_pass.py
+    _batch_call_impacts: Callable[..., list[float]]

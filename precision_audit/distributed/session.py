@@ -94,6 +94,9 @@ class DistributedCaptureSession(CaptureSession):
     """A :class:`CaptureSession` on one rank; see the module docstring. ``run_module`` is what the forward calls
     (a DDP wrapper, or the model itself); hooks and names stay on the original ``model``."""
 
+    # every local error is a re-run's, added up over ranks after the reference pass (reduce.reference_fields)
+    _batch_calls = False
+
     def __init__(self, model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
                  loss_of: Callable[[Any], torch.Tensor], config: Any, progress: Callable[[str], None] | None = None,
                  *, run_module: torch.nn.Module | None = None, weight: float = 1.0, group: Any = None,
