@@ -160,3 +160,37 @@ def test_a_format_pass_that_fails_before_the_call_leaves_it_unmeasured_and_says_
     assert fs.local is None and not fs.impact_measured and fs.local_note == batch_call_note(Format.FP16)
     assert "did not reach it" in fs.local_note
     assert layers["body"].formats[Format.BF16].local is not None  # the other format is measured
+
+
+class PooledIn3d(nn.Module):
+    """The root's own op has no Half/BFloat16 CPU kernel: the fp16 pass fails there and is redone with the
+    fp32-fallback dispatch mode (format_pass.py), after fc1 (on the batch) and fc2 (re-run) were measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc2(torch.relu(self.fc1(x)))
+        return torch.nn.functional.avg_pool3d(y.view(2, 1, 2, 2, 8), 2)
+
+
+def test_the_fp32_fallback_retry_keeps_the_re_runs_impacts_and_measures_the_batch_calls_again(monkeypatch):
+    torch.manual_seed(0)
+    model, x = PooledIn3d(), torch.randn(8, 8)
+    monkeypatch.setattr(runner.CaptureSession, "_batch_calls", True)
+    with CaptureSession(model, lambda m: m(x), lambda y: y.float().pow(2).mean(),
+                        CaptureConfig((Format.FP16,))) as s:
+        s.reference_run()
+        fc2 = s.layers[id(model.fc2)].formats[Format.FP16]
+        before = (fc2.local.sum_diff2, fc2.loss_impact, fc2.loss_impact_abs)
+        assert fc2.impact_measured and before[2] > 0
+        s.format_run(Format.FP16)
+        assert s._use_gemm_mode, "the pass was redone with the fp32-fallback mode"
+        assert s.runs[Format.FP16].error is None
+        fc2 = s.layers[id(model.fc2)].formats[Format.FP16]
+        assert fc2.impact_measured and (fc2.local.sum_diff2, fc2.loss_impact, fc2.loss_impact_abs) == before
+        fc1 = s.layers[id(model.fc1)].formats[Format.FP16]
+        assert fc1.local is not None and fc1.local_note is None and fc1.impact_measured
+        assert fc1.calls == 1  # measured once, in the redone pass (not merged with the failed attempt's)
+        assert fc1.local.n == 64
