@@ -1,6 +1,6 @@
 """P1 and P5 on the models people actually train (issue 14 item 7): audit cost against one FP32 training step.
 
-    python bench/real_models.py [--models gpt2,bert,...] [--kernels python] [--allocator default] [--json out.json]
+    python bench/real_models.py [--models gpt2,bert,...] [--audit-args "--kernels python"] [--json out.json]
 
 Each model is built from transformers' default configuration with random weights (nothing is downloaded:
 ``HF_HUB_OFFLINE=1``, no ``from_pretrained``), in train mode as built, on a small batch chosen so that one FP32
@@ -28,10 +28,6 @@ Per model, in fresh subprocesses (one for the training steps, one for the audit)
   is built afterwards, so it is part of both figures), for one training step (VmHWM after the warm-up step) and
   for the audit (Linux: VmHWM reset through /proc/self/clear_refs);
 - P5 = audit peak / training-step peak (goal: at most 1.5x).
-
-The audit child sets the C allocator as ``precision-audit MODEL`` does before it starts (``--allocator cli``, the
-default: freed blocks reused from the heap, precision_audit/allocator.py); ``--allocator default`` leaves glibc's
-defaults, as the training step runs with.
 
 ``--profile DIR`` also writes a cProfile of each audit (``DIR/<model>.prof``; read it with ``python -m pstats``).
 Not a test: the whole set takes many minutes on a 2-core machine.
@@ -120,11 +116,6 @@ if what == "step":
     result["step_times"] = times
 else:
     extra = json.loads(sys.argv[6])
-    if extra.pop("allocator", "cli") == "cli":  # what `precision-audit MODEL` does first (precision_audit/allocator.py)
-        from precision_audit.allocator import reuse_freed_memory
-        result["allocator"] = "reuse" if reuse_freed_memory() else "default"
-    else:
-        result["allocator"] = "default"
     opts = AuditOptions(model=model_py, batch=sample, out=out, **extra)
     marks = []
     def progress(msg):
@@ -204,16 +195,12 @@ def main() -> None:
     ap.add_argument("--kernels", default=None, help="pass --kernels to the audit (default: its own default)")
     ap.add_argument("--json", default=None, help="also write the per-model results here")
     ap.add_argument("--profile", default=None, help="write a cProfile of each audit into this folder")
-    ap.add_argument("--allocator", choices=("cli", "default"), default="cli",
-                    help="the audit's allocator settings: the command line's (default; precision_audit/allocator.py) "
-                         "or glibc's defaults, as the training step runs")
     args = ap.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise SystemExit(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     extra = {"kernels": args.kernels} if args.kernels else {}
-    extra["allocator"] = args.allocator
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cpus, load average {_load()} at start; audit options: defaults{extra or ''}", flush=True)
@@ -235,8 +222,7 @@ def main() -> None:
                    "audit_s": audit["audit_s"], "p1": p1, "load_s": audit["load_s"], "p1_after_loading": p1_after,
                    "stages": audit["stages"], "step_peak_mb": step["peak_bytes"] / 2 ** 20,
                    "audit_peak_mb": audit["peak_bytes"] / 2 ** 20, "p5": p5, "kernels": audit["kernels"],
-                   "exit_code": audit["exit_code"], "load": _load(), "threads": audit["threads"],
-                   "allocator": audit["allocator"]}
+                   "exit_code": audit["exit_code"], "load": _load(), "threads": audit["threads"]}
             rows.append(row)
             print(f"{name:<10} {step['step_s']:>9.2f}s {audit['audit_s']:>8.1f}s {p1:>6.1f}x "
                   f"{audit['load_s']:>7.1f}s {p1_after:>8.1f}x {row['step_peak_mb']:>8.0f}MB "

@@ -146,10 +146,6 @@ def audit_main(argv: list[str]) -> int:
 
         return distributed.launch(argv, args.nproc, args.verbose, INTERRUPTED_LINE)
     ranked = distributed.launched_by_torchrun()
-    if not ranked:  # this process is the audit's own (a rank sets its allocator itself: distributed/run.py)
-        from ..allocator import reuse_freed_memory
-
-        reuse_freed_memory()
     from ..audit import AuditOptions, run_audit
     from ..formats import parse_formats
 
