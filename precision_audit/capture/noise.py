@@ -144,16 +144,19 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
     impacts: dict[str, dict[Format, float | None]] | None = None
     note: str | None = "not measured: on CUDA the thread count does not change the reduction order"
     wall = None
+    fp32 = _Fp32Order(session)
     if alt is not None:
-        # First: it leaves the calls on the batch (BatchCall) whose impacts at this order the format forwards
-        # below measure, from their outputs (capture/format_pass.py, _post_batch_only)
+        # First: its forward is the FP32 forward at this order, and it leaves the calls on the batch (BatchCall)
+        # whose impacts at this order the format forwards below measure (capture/format_pass.py, _post_batch_only)
         t0 = time.perf_counter()
-        impacts, note = second_order_impacts(session, alt)
+        impacts, note = second_order_impacts(session, alt, fp32)
         wall = time.perf_counter() - t0
     sink: dict[str, dict[Format, float]] | None = {} if impacts is not None and any(
         c.refs is not None for c in session._batch_call_records.values()) else None
     with _threads(alt):
-        ref_loss, alt_outputs, out_err, layer_err = _fp32_forward(session)
+        if fp32.outputs is None:  # on CUDA, or the repeat failed
+            fp32.run()
+        ref_loss, alt_outputs, out_err, layer_err = fp32.loss, fp32.outputs, fp32.out_err, fp32.layers
         runs: dict[Format, OrderRun] = {}
         for f in formats:
             run = session.runs.get(f)
@@ -177,55 +180,78 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
                       impacts=impacts, impacts_note=note, impacts_wall_s=wall)
 
 
-def _fp32_forward(session) -> tuple[float | None, list[torch.Tensor] | None, float, dict[str, ErrorStats]]:
-    """The FP32 forward at this order: (its loss, its outputs, their error against the main order's, and a sample
-    of layers' outputs against the main order's)."""
-    ref_store = session._ref_outputs  # the reference pass's FP32 outputs, per module and call
-    root_ref = (ref_store.get(id(session.model)) or [None])[0]
-    layer_err: dict[str, ErrorStats] = {}
-    hooks = []
+class _Fp32Order:
+    """The FP32 forward at the second order: its loss, its outputs, their error against the main order's, and a
+    sample of layers' outputs against the main order's. Read from the repeated reference pass's own forward when
+    it runs (:func:`second_order_impacts`), else from a forward of its own (:meth:`run`)."""
 
-    def hook_for(name: str, mid: int):
-        def hook(m, args, out):
-            refs = ref_store.get(mid)
-            ys = float_tensors(out)
-            if not refs or name in layer_err or len(refs[0]) != len(ys):
-                return
+    def __init__(self, session) -> None:
+        self.session = session
+        self.refs = session._ref_outputs  # the reference pass's FP32 outputs, per module and call
+        self.root_ref = (self.refs.get(id(session.model)) or [None])[0]
+        self.sample = _sample(session)
+        self.loss: float | None = None
+        self.outputs: list[torch.Tensor] | None = None
+        self.out_err = math.nan
+        self.layers: dict[str, ErrorStats] = {}
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Forward hooks on the sample of layers (the first call of each, never a local re-run's)."""
+        session, hooks = self.session, []
+
+        def hook_for(name: str, mid: int):
+            def hook(m, args, out):
+                refs = self.refs.get(mid)
+                ys = float_tensors(out)
+                if session._rerunning or not refs or name in self.layers or len(refs[0]) != len(ys):
+                    return
+                e = ErrorStats()
+                for r, y in zip(refs[0], ys):
+                    if r.shape == y.shape:
+                        e.update(session._refs.on(r, y), y.detach())
+                self.layers[name] = e
+            return hook
+
+        for m in self.sample:
+            hooks.append(m.register_forward_hook(hook_for(session._names[id(m)], id(m))))
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def output(self, out: Any, loss: torch.Tensor) -> None:
+        self.loss = float(loss.detach().float())
+        self.outputs = [y.detach().clone() for y in float_tensors(out)]
+        if self.root_ref is not None and len(self.root_ref) == len(self.outputs):
             e = ErrorStats()
-            for r, y in zip(refs[0], ys):
-                if r.shape == y.shape:
-                    e.update(session._refs.on(r, y), y.detach())
-            layer_err[name] = e
-        return hook
+            for r, y in zip(self.root_ref, self.outputs):
+                e.update(self.session._refs.on(r, y), y)
+            self.out_err = e.rel_l2
 
-    for m in _sample(session):
-        hooks.append(m.register_forward_hook(hook_for(session._names[id(m)], id(m))))
-    out_err = math.nan
-    try:
-        session._reset()
-        with torch.no_grad(), session._fp32_reference_switches():
-            out = session._forward(session.model)
-            ref_loss = float(session._loss_of(out).detach().float())
-        alt_outputs = [y.detach().clone() for y in float_tensors(out)]
-        if root_ref is not None and len(root_ref) == len(alt_outputs):
-            e = ErrorStats()
-            for r, y in zip(root_ref, alt_outputs):
-                e.update(session._refs.on(r, y), y)
-            out_err = e.rel_l2
-    finally:
-        for h in hooks:
-            h.remove()
-        session._stack.clear()
-    return ref_loss, alt_outputs, out_err, layer_err
+    def run(self) -> None:
+        """A forward of its own (on CUDA, or when the repeated reference pass failed)."""
+        session = self.session
+        self.layers.clear()
+        try:
+            session._reset()
+            with self.watching(), torch.no_grad(), session._fp32_reference_switches():
+                out = session._forward(session.model)
+                self.output(out, session._loss_of(out))
+        finally:
+            session._stack.clear()
 
 
-def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, float | None]] | None, str | None]:
+def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
+                         ) -> tuple[dict[str, dict[Format, float | None]] | None, str | None]:
     """Each module's |first-order loss impact| per format, from the reference pass repeated at ``threads``.
 
     The pass is the session's own :meth:`reference_run`, same code and same seed, so the figures at a thread count
     are the ones an audit run at that thread count measures itself. Its records go to a scratch set; the main
     pass's records, outputs and gradients are put back afterwards. Returns (impacts, None), or (None, why) when the
-    pass failed (the planner then uses the main order's impacts alone).
+    pass failed (the planner then uses the main order's impacts alone). ``fp32``: also read the FP32 forward at
+    this order from the pass's own forward (the noise floor's loss, outputs and sample of layers).
     """
     saved = (session.layers, session.grad_all, session._ref_outputs, session.reference,
              session._ref_grad_nonfinite, list(session.warnings))
@@ -235,8 +261,9 @@ def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, 
     # error sums and the op tracker (it reads the first pass's per-call op counts), none of which the impacts
     # depend on (docs/performance.md, "Second order")
     session._impacts_only = True
+    session._on_reference_output = fp32.output if fp32 is not None else None
     try:
-        with _threads(threads):
+        with _threads(threads), (fp32.watching() if fp32 is not None else contextlib.nullcontext()):
             session.reference_run()
         return ({r.name: {f: (fs.loss_impact_abs if fs.impact_measured else None) for f, fs in r.formats.items()}
                  for r in session.layers.values()}, None)
@@ -247,6 +274,7 @@ def second_order_impacts(session, threads: int) -> tuple[dict[str, dict[Format, 
         return None, f"not measured: the reference pass at {threads} thread(s) raised {type(e).__name__}: {e}"
     finally:
         session._impacts_only = False
+        session._on_reference_output = None
         (session.layers, session.grad_all, session._ref_outputs, session.reference,
          session._ref_grad_nonfinite, session.warnings) = saved
         session._clone_cache.clear()

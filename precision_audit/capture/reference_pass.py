@@ -73,6 +73,8 @@ class ReferencePass(SessionState):
         try:
             try:
                 out, loss = self._run(None)
+                if self._on_reference_output is not None:  # the noise floor's FP32 forward (capture/noise.py)
+                    self._on_reference_output(out, loss)
             except RunFailure as f:
                 raise ModelRunError(
                     f"the model raised {type(f.error).__name__} in its FP32 forward pass: {f.error}",

@@ -146,6 +146,8 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._batch_call_records: dict[tuple[int, int], BatchCall] = {}
         # the second order's format forwards (capture/noise.py): name -> format -> |loss impact| of batch calls
         self._batch_sink: dict[str, dict[Format, float]] | None = None
+        # called with (output, loss) of the next FP32 forward: the second order's (capture/noise.py, _Fp32Order)
+        self._on_reference_output: Callable[[Any, torch.Tensor], None] | None = None
         # The reference pass repeated at the second reduction order (capture/noise.py) is read for its loss
         # impacts only: it skips what only the first pass's records use (docs/performance.md, "Second order")
         self._impacts_only = False

@@ -48,6 +48,7 @@ class SessionState:
     _batch_tensors: dict[int, tuple[torch.Tensor, int]]
     _batch_call_records: dict[tuple[int, int], Any]  # (module, call) -> BatchCall (capture/reference_pass.py)
     _batch_sink: dict[str, dict[Format, float]] | None
+    _on_reference_output: Callable[[Any, torch.Tensor], None] | None
     _ref_outputs: dict[int, list[list[torch.Tensor]]]
     _ref_grad_nonfinite: dict[int, torch.Tensor]
     _clone_cache: dict[int, tuple[int, torch.Tensor]]

@@ -106,3 +106,54 @@ def test_the_flag_is_off_after_the_repeat_even_when_it_fails(monkeypatch):
         impacts, note = second_order_impacts(s, 2)
         assert impacts is None and "boom" in note
         assert s._impacts_only is False
+
+
+class _Wide(torch.nn.Module):
+    """GEMMs with a long reduction (K = 4096), whose FP32 sums split differently at 1 and 2 threads, and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 4096), torch.nn.Linear(4096, 64)
+        self.drop, self.head = torch.nn.Dropout(0.1), torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.relu(self.down(torch.relu(self.up(x))))))
+
+
+def test_the_noise_floors_fp32_forward_is_the_repeats_own(monkeypatch):
+    """The FP32 forward at the second order is read from the repeated reference pass (its forward is that forward):
+    the same noise floor as a forward of its own, which no longer runs."""
+    from precision_audit.capture import noise
+    from precision_audit.capture.noise import measure_noise_floor
+    from precision_audit.formats import Format
+
+    runs: list[bool] = []
+    real_run = noise._Fp32Order.run
+
+    def counting(self):
+        runs.append(True)
+        real_run(self)
+
+    monkeypatch.setattr(noise._Fp32Order, "run", counting)
+
+    def floor(separate: bool):
+        torch.manual_seed(0)
+        model, x = _Wide(), torch.randn(16, 64)
+        real = noise.second_order_impacts
+        if separate:  # the repeat is not asked for the FP32 forward: the noise floor runs its own
+            monkeypatch.setattr(noise, "second_order_impacts", lambda s, t, fp32=None: real(s, t))
+        try:
+            with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(),
+                                CaptureConfig((Format.FP16, Format.BF16))) as s:
+                s.reference_run()
+                for f in s.config.formats:
+                    s.format_run(f)
+                nf = measure_noise_floor(s, s.config.formats)
+        finally:
+            monkeypatch.setattr(noise, "second_order_impacts", real)
+        return (nf.reference_loss, nf.loss_rel, nf.output_rel_error, nf.layers,
+                {f: (r.loss, r.output_rel_error) for f, r in nf.runs.items()}, nf.impacts,
+                [o.tolist() for o in nf.outputs or []])
+
+    assert floor(False) == floor(True)
+    assert runs == [True], "the merged path ran no FP32 forward of its own; the separate one ran one"
