@@ -67,7 +67,7 @@ class ReferencePass(SessionState):
     def reference_run(self) -> RunRecord:
         """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
         self._reset()
-        self._batch_tensors, self._batch_call_records = {}, {}
+        self._batch_tensors, self._batch_call_records, self._grad_edges = {}, {}, []
         self._phase = "ref"
         t0 = time.perf_counter()
         try:
@@ -86,7 +86,7 @@ class ReferencePass(SessionState):
             self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
             try:
                 with self._fp32_reference_switches():
-                    loss.backward()
+                    self._reference_backward(loss)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:
@@ -100,6 +100,17 @@ class ReferencePass(SessionState):
         self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
         return self.reference
+
+    def _reference_backward(self, loss: torch.Tensor) -> None:
+        """The FP32 backward. At the second order (``_impacts_only``) only dL/dy of the module outputs the loss
+        impacts read is asked for, so autograd skips every parameter's gradient (docs/performance.md, "Second
+        order"); a graph with reentrant activation checkpointing, which supports ``backward()`` only, takes the
+        whole backward."""
+        edges, self._grad_edges = self._grad_edges, []
+        if not (self._impacts_only and self._outputs_only_backward) or _reentrant_checkpoint(loss):
+            loss.backward()
+        elif edges:
+            torch.autograd.grad(loss, edges, allow_unused=True)
 
     @staticmethod
     def _check_finite_reference(out: Any, loss: torch.Tensor, lval: float) -> None:
@@ -355,6 +366,22 @@ def _diff_bf16(y: torch.Tensor, p: torch.Tensor, finite: bool | None) -> torch.T
         if finite:
             return torch.sub(p, y).to(torch.bfloat16)
     return torch.where(torch.isfinite(y), p.float() - y, 0.0).to(torch.bfloat16)
+
+
+def _reentrant_checkpoint(loss: torch.Tensor) -> bool:
+    """Whether the graph behind ``loss`` holds a reentrant ``torch.utils.checkpoint`` (which raises under
+    ``torch.autograd.grad``)."""
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(f for f, _ in fn.next_functions)
+    return False
 
 
 def _keep_grad(call: BatchCall, slot: int):

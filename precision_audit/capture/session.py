@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import AuditError, ModelLoadError, ModelRunError
@@ -96,6 +97,9 @@ class CaptureSession(ReferencePass, FormatPasses):
     #: re-run (capture/reference_pass.py, BatchCall); the distributed session, which adds up the re-runs' figures
     #: over ranks after the reference pass, keeps the re-runs
     _batch_calls = True
+    #: whether the second order's backward asks for the module outputs' gradients only (capture/reference_pass.py,
+    #: _reference_backward); the distributed session's FSDP2 hooks need every parameter's gradient
+    _outputs_only_backward = True
 
     def __init__(
         self,
@@ -146,6 +150,8 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._batch_call_records: dict[tuple[int, int], BatchCall] = {}
         # the second order's format forwards (capture/noise.py): name -> format -> |loss impact| of batch calls
         self._batch_sink: dict[str, dict[Format, float]] | None = None
+        # the second order's backward: the gradient edges of the module outputs its loss impacts read
+        self._grad_edges: list[Any] = []
         # called with (output, loss) of the next FP32 forward: the second order's (capture/noise.py, _Fp32Order)
         self._on_reference_output: Callable[[Any, torch.Tensor], None] | None = None
         # The reference pass repeated at the second reduction order (capture/noise.py) is read for its loss
@@ -443,6 +449,8 @@ class CaptureSession(ReferencePass, FormatPasses):
             if y.requires_grad:
                 y.register_hook(self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
                                                 (i, weakref.ref(y)) if own else None))
+                if self._impacts_only:  # the gradients the second order's backward computes (_reference_backward)
+                    self._grad_edges.append(get_gradient_edge(y))
 
     # -- runs ----------------------------------------------------------------------------------------
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:

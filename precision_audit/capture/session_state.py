@@ -45,10 +45,12 @@ class SessionState:
     _stack: list[int]
     _call_index: dict[int, int]
     _batch_calls: bool
+    _outputs_only_backward: bool
     _batch_tensors: dict[int, tuple[torch.Tensor, int]]
     _batch_call_records: dict[tuple[int, int], Any]  # (module, call) -> BatchCall (capture/reference_pass.py)
     _batch_sink: dict[str, dict[Format, float]] | None
     _on_reference_output: Callable[[Any, torch.Tensor], None] | None
+    _grad_edges: list[Any]  # torch.autograd.graph.GradientEdge of each module output (the second order's backward)
     _ref_outputs: dict[int, list[list[torch.Tensor]]]
     _ref_grad_nonfinite: dict[int, torch.Tensor]
     _clone_cache: dict[int, tuple[int, torch.Tensor]]

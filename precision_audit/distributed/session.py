@@ -96,6 +96,8 @@ class DistributedCaptureSession(CaptureSession):
 
     # every local error is a re-run's, added up over ranks after the reference pass (reduce.reference_fields)
     _batch_calls = False
+    # FSDP2 reduces each parameter's gradient in its backward hooks: the second order takes the whole backward
+    _outputs_only_backward = False
 
     def __init__(self, model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
                  loss_of: Callable[[Any], torch.Tensor], config: Any, progress: Callable[[str], None] | None = None,

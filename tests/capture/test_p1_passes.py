@@ -157,3 +157,55 @@ def test_the_noise_floors_fp32_forward_is_the_repeats_own(monkeypatch):
 
     assert floor(False) == floor(True)
     assert runs == [True], "the merged path ran no FP32 forward of its own; the separate one ran one"
+
+
+class _Awkward(torch.nn.Module):
+    """Outputs a later op changes in place, an output the loss never uses, a tied weight, and (optionally) a
+    reentrant activation checkpoint, which supports backward() only."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        self.emb, self.fc, self.side = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+        self.reentrant = reentrant
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        y = self.fc(h)
+        y.mul_(0.5)  # the fc's output, changed after its hook saw it
+        self.side(h)  # unused by the loss
+        if self.reentrant:
+            y = torch.utils.checkpoint.checkpoint(self.fc, torch.relu(y), use_reentrant=True)
+        return self.head(torch.tanh(y))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_second_orders_backward_asks_for_the_outputs_gradients_only(monkeypatch, reentrant):
+    from precision_audit.formats import Format
+
+    asked: list[int] = []
+    real_grad = torch.autograd.grad
+
+    def spy(outputs, inputs, *a, **k):
+        asked.append(len(inputs))
+        return real_grad(outputs, inputs, *a, **k)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+
+    def impacts(outputs_only: bool):
+        monkeypatch.setattr(CaptureSession, "_outputs_only_backward", outputs_only)
+        torch.manual_seed(0)
+        model, ids = _Awkward(reentrant), torch.randint(0, 32, (4, 8))
+        with CaptureSession(model, lambda m: m(ids), lambda y: y.pow(2).mean(),
+                            CaptureConfig((Format.FP16, Format.BF16))) as s:
+            s.reference_run()
+            got, note = second_order_impacts(s, 1)
+            assert note is None
+            return got
+
+    lean, full = impacts(True), impacts(False)
+    assert lean == full  # exactly
+    assert lean["head"][Format.FP16] and lean["head"][Format.BF16]
+    # the whole backward where reentrant checkpointing needs it (and always in the full variant)
+    assert asked == ([] if reentrant else [asked[0]]) and (reentrant or asked[0] > 0)
