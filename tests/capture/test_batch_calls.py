@@ -54,7 +54,8 @@ class WithHead(nn.Module):
         return self.head(self.body(x, scale=0.5) + self.body(x, scale=2.0))
 
 
-def _capture(model, x, batch_calls: bool, monkeypatch):
+def _capture(model, forward, loss_of, batch_calls: bool, monkeypatch):
+    """The records and the noise floor of a whole capture, and the names of the modules re-run alone."""
     reruns: list[str] = []
 
     def spy(self, m, fmt, *a, **k):
@@ -63,14 +64,18 @@ def _capture(model, x, batch_calls: bool, monkeypatch):
 
     monkeypatch.setattr(runner.CaptureSession, "_rerun_once", spy)
     monkeypatch.setattr(runner.CaptureSession, "_batch_calls", batch_calls)
-    model.train()
-    with CaptureSession(model, lambda m: m(x), lambda y: y.float().pow(2).mean(), CaptureConfig(FORMATS)) as s:
+    with CaptureSession(model, forward, loss_of, CaptureConfig(FORMATS)) as s:
         s.reference_run()
         for f in FORMATS:
             s.format_run(f)
         noise = measure_noise_floor(s, FORMATS)
         layers = {r.name: r for r in s.result().layers}
     return layers, noise, reruns
+
+
+def _capture_on(model, x, batch_calls: bool, monkeypatch):
+    model.train()
+    return _capture(model, lambda m: m(x), lambda y: y.float().pow(2).mean(), batch_calls, monkeypatch)
 
 
 def _figures(layers, noise):
@@ -98,8 +103,8 @@ def _same(a, b) -> bool:
 def test_calls_on_the_batch_give_the_re_runs_figures_without_re_running(monkeypatch, draw_in_low_precision):
     torch.manual_seed(0)
     model, x = WithHead(draw_in_low_precision), torch.randn(8, 16) * 3
-    new, noise_new, reruns_new = _capture(model, x, True, monkeypatch)
-    old, noise_old, reruns_old = _capture(model, x, False, monkeypatch)
+    new, noise_new, reruns_new = _capture_on(model, x, True, monkeypatch)
+    old, noise_old, reruns_old = _capture_on(model, x, False, monkeypatch)
     (fig_new, imp_new), (fig_old, imp_old) = _figures(new, noise_new), _figures(old, noise_old)
     for key in fig_old:
         assert _same(fig_new[key], fig_old[key]), (key, fig_new[key], fig_old[key])
@@ -123,21 +128,9 @@ def test_a_hugging_face_body_is_measured_from_the_format_passes(monkeypatch):
     ids = torch.randint(0, 96, (2, 12))
 
     def run(batch_calls):
-        reruns: list[str] = []
-
-        def spy(self, m, fmt, *a, **k):
-            reruns.append(self._names[id(m)])
-            return _RERUN(self, m, fmt, *a, **k)
-
-        monkeypatch.setattr(runner.CaptureSession, "_rerun_once", spy)
-        monkeypatch.setattr(runner.CaptureSession, "_batch_calls", batch_calls)
-        with CaptureSession(model, lambda m: m(input_ids=ids, labels=ids), lambda o: o.loss,
-                            CaptureConfig(FORMATS)) as s:
-            s.reference_run()
-            for f in FORMATS:
-                s.format_run(f)
-            noise = measure_noise_floor(s, FORMATS)
-            return _figures({r.name: r for r in s.result().layers}, noise), reruns
+        layers, noise, reruns = _capture(model, lambda m: m(input_ids=ids, labels=ids), lambda o: o.loss,
+                                         batch_calls, monkeypatch)
+        return _figures(layers, noise), reruns
 
     (fig_new, imp_new), reruns_new = run(True)
     (fig_old, imp_old), reruns_old = run(False)
@@ -155,7 +148,7 @@ def test_a_hugging_face_body_is_measured_from_the_format_passes(monkeypatch):
 def test_a_format_pass_that_fails_before_the_call_leaves_it_unmeasured_and_says_why(monkeypatch):
     torch.manual_seed(0)
     model, x = WithHead(fail_in=Format.FP16), torch.randn(8, 16)
-    layers, _, _ = _capture(model, x, True, monkeypatch)
+    layers, _, _ = _capture_on(model, x, True, monkeypatch)
     fs = layers["body"].formats[Format.FP16]
     assert fs.local is None and not fs.impact_measured and fs.local_note == batch_call_note(Format.FP16)
     assert "did not reach it" in fs.local_note
