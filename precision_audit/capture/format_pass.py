@@ -62,12 +62,10 @@ class FormatPasses(SessionState):
                 for mid, rec in self.layers.items():
                     if fmt in rec.formats:
                         old = rec.formats[fmt]
-                        fresh = FormatLayerStats(local=old.local, local_note=old.local_note,
-                                                 loss_impact=old.loss_impact, loss_impact_abs=old.loss_impact_abs,
-                                                 impact_measured=old.impact_measured)
-                        if mid in batch:
-                            fresh = FormatLayerStats(local_note=batch_call_note(fmt))
-                        rec.formats[fmt] = fresh
+                        rec.formats[fmt] = (
+                            FormatLayerStats(local_note=batch_call_note(fmt)) if mid in batch else
+                            FormatLayerStats(local=old.local, local_note=old.local_note, loss_impact=old.loss_impact,
+                                             loss_impact_abs=old.loss_impact_abs, impact_measured=old.impact_measured))
                 return self.format_run(fmt, loss_scale)
             run.error = f"{type(f.error).__name__}: {f.error}" + (f" (in module '{f.where}')" if f.where else "")
         finally:
@@ -174,13 +172,11 @@ class FormatPasses(SessionState):
     def _measure_batch_call(self, m, fs: FormatLayerStats, fmt: Format, call: BatchCall,
                             refs: list[torch.Tensor] | None, args, kwargs, pre, ys) -> None:
         """The local error and the loss impact of a call on the batch, from this pass's output of it."""
-        ps = self._batch_call_output(m, fmt, call, args, kwargs, pre, ys)
+        ps = self._batch_call_output(m, fmt, call, refs, args, kwargs, pre, ys)
         if isinstance(ps, str):
             fs.local_note = ps
             return
-        if refs is None or len(ps) != len(refs) or any(r.shape != p.shape for r, p in zip(refs, ps)):
-            fs.local_note = "not measured: the re-run returned outputs of another structure"
-            return
+        assert refs is not None  # a structure that matches them
         if fs.local is None:
             fs.local = ErrorStats()
             fs.local_note = None
@@ -199,8 +195,8 @@ class FormatPasses(SessionState):
         call = self._batch_call_records.get((id(m), k))
         if call is None or call.refs is None:
             return
-        ps = self._batch_call_output(m, fmt, call, args, kwargs, pre, ys)
-        if isinstance(ps, str) or len(ps) != len(call.refs) or any(r.shape != p.shape for r, p in zip(call.refs, ps)):
+        ps = self._batch_call_output(m, fmt, call, call.refs, args, kwargs, pre, ys)
+        if isinstance(ps, str):
             return
         impacts = self._batch_call_impacts(call, call.refs, ps, None)
         if impacts:

@@ -276,26 +276,30 @@ class ReferencePass(SessionState):
             self._rerunning = False
         return diffs
 
-    def _batch_call_output(self, m, fmt: Format, call: BatchCall, args, kwargs, pre: RngState | None,
-                          ys: list[torch.Tensor]) -> list[torch.Tensor] | str:
-        """The outputs of ``call`` in ``fmt``: the format pass's own ``ys`` when this call got the same tensors and
-        random state as the FP32 one (else a re-run on the FP32 call's arguments), or why it is not measured."""
+    def _batch_call_output(self, m, fmt: Format, call: BatchCall, refs: list[torch.Tensor] | None, args, kwargs,
+                           pre: RngState | None, ys: list[torch.Tensor]) -> list[torch.Tensor] | str:
+        """The outputs of ``call`` in ``fmt``, matching the FP32 outputs ``refs``: the format pass's own ``ys`` when
+        this call got the same tensors and random state as the FP32 one (else a re-run on the FP32 call's
+        arguments), or why it is not measured."""
         ts = _tensors_in((args, kwargs))
         ref_ts = _tensors_in((call.args, call.kwargs))
         if any(t._version != v for t, v in zip(ref_ts, call.versions)):
             return "not measured: the batch was changed in place before this call's low-precision pass"
         if (pre is not None and len(ts) == len(ref_ts) and all(a is b for a, b in zip(ts, ref_ts))
                 and _same_rng(pre, call.rng)):
-            return ys
-        now = self._rng_state()
-        self._rerunning = True
-        try:
-            self._set_rng_state(call.rng)
-            out = self._rerun_once(m, fmt, call.args, call.kwargs, [n for n, _ in m.named_buffers()])
-        finally:
-            self._set_rng_state(now)
-            self._rerunning = False
-        return float_tensors(out)
+            ps = ys
+        else:
+            now = self._rng_state()
+            self._rerunning = True
+            try:
+                self._set_rng_state(call.rng)
+                ps = float_tensors(self._rerun_once(m, fmt, call.args, call.kwargs, [n for n, _ in m.named_buffers()]))
+            finally:
+                self._set_rng_state(now)
+                self._rerunning = False
+        if refs is None or len(ps) != len(refs) or any(r.shape != p.shape for r, p in zip(refs, ps)):
+            return "not measured: the re-run returned outputs of another structure"
+        return ps
 
     def _batch_call_impacts(self, call: BatchCall, refs: list[torch.Tensor], ps: list[torch.Tensor],
                            local: ErrorStats | None) -> list[float]:
