@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,38 +46,56 @@ class SavedTensorCounter:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._counting = False
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> Any:
+        self._count(t)
+        return t, t._version
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        """The saved tensor, after the check autograd makes itself when no hooks are set and skips when they are:
+        a tensor changed in place after it was saved raises, as it does in the user's training step, instead of
+        giving a backward computed from the changed values."""
+        if isinstance(saved, torch.Tensor):
+            return saved
+        t, version = saved
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead "
+                "(PyTorch raises the same in a training step of this model)")
+        return t
+
+    def _count(self, t: torch.Tensor) -> None:
         try:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
         except Exception:  # a tensor without storage (e.g. a subclass): nothing to count
-            return t
+            return
         if ptr in self._seen or ptr == 0:
-            return t
+            return
         self._seen.add(ptr)
         if ptr in self._param_ptrs:
-            return t
+            return
         nbytes = storage.nbytes()
         info = emulation.rounded_info(ptr) if self._counting else None
         if info is not None:
             nbytes = nbytes * info.itemsize // info.tensor.element_size()
             if info.from_parameter:
                 self.tally.weight_copy_bytes += nbytes
-                return t
+                return
         elif _is_parameter_cast(t):
             self.tally.weight_copy_bytes += nbytes
-            return t
+            return
         self.tally.activation_bytes += nbytes
         self.tally.tensors += 1
         mid = self._current()
         if mid is not None:
             self.tally.by_module[mid] = self.tally.by_module.get(mid, 0) + nbytes
-        return t
 
     def __enter__(self) -> SavedTensorCounter:
         emulation.start_rounding_registry()
         self._counting = True
-        self._hooks = hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         return self
 

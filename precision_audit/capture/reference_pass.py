@@ -14,10 +14,11 @@ session's per-pass state); it holds no state of its own.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -39,6 +40,33 @@ CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its ch
 def batch_call_note(fmt: Format) -> str:
     """A call on the batch itself whose local error the ``fmt`` pass did not reach (it failed before)."""
     return f"not measured: its inputs are the batch, so its local error is the {fmt} pass's, which did not reach it"
+
+
+IN_PLACE_NOTE = ("not measured: the module changed its input in place, so the FP32 input a re-run needs is gone "
+                 "(and a re-run would change the FP32 pass's tensors again)")
+
+
+class PreCall(NamedTuple):
+    """What the FP32 pass keeps from before a module call, for its local re-runs."""
+
+    rng: RngState
+    # the arguments as they were before the call, where it may change them: mutable objects (a KV cache), and the
+    # tensors themselves, copied, for a module that declares it writes its input (``inplace=True``)
+    snapshot: tuple[tuple, dict] | None
+    draw_start: int
+    versions: list[int]  # of the tensor arguments before the call (_tensors_in order)
+    copied: bool  # ``snapshot`` holds copies of the tensor arguments
+
+
+def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_start: int) -> PreCall:
+    """The record of a module call's state before it runs. ``nn.ReLU(inplace=True)``, ``nn.SiLU(inplace=True)``,
+    ``nn.Dropout(inplace=True)`` ... overwrite their input with their output: their arguments are copied, so the
+    re-runs start from the FP32 input (and write into the copy, not into the FP32 pass's tensors)."""
+    ts = _tensors_in((args, kwargs))
+    if getattr(m, "inplace", False) is True and ts:
+        memo: dict[int, Any] = {id(t): t.detach().clone() for t in ts}
+        return PreCall(rng, copy.deepcopy((args, kwargs), memo), draw_start, [t._version for t in ts], True)
+    return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False)
 
 
 @dataclass
@@ -90,8 +118,12 @@ class ReferencePass(SessionState):
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:
+                hint = ("an op of the forward changes a tensor in place after autograd saved it, which stops a "
+                        "training step with the same error: make that op out of place (x = x * 2 instead of "
+                        "x.mul_(2), inplace=False)" if "modified by an inplace operation" in str(e)
+                        else "check the model's custom autograd code (backward) in FP32 first")
                 raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
-                                    hint="check the model's custom autograd code (backward) in FP32 first") from e
+                                    hint=hint) from e
         finally:
             self._phase = None
         if not self._impacts_only:
@@ -104,10 +136,12 @@ class ReferencePass(SessionState):
     def _reference_backward(self, loss: torch.Tensor) -> None:
         """The FP32 backward. At the second order (``_impacts_only``) only dL/dy of the module outputs the loss
         impacts read is asked for, so autograd skips every parameter's gradient (docs/performance.md, "Second
-        order"); a graph with reentrant activation checkpointing, which supports ``backward()`` only, takes the
-        whole backward."""
+        order"); a graph with reentrant activation checkpointing, which supports ``backward()`` only, and one where a
+        view output was changed in place (its hook moved to a node: capture/output_grads.py) take the whole
+        backward."""
         edges, self._grad_edges = self._grad_edges, []
-        if not (self._impacts_only and self._outputs_only_backward) or _reentrant_checkpoint(loss):
+        if (not (self._impacts_only and self._outputs_only_backward) or self._views_rebased
+                or _reentrant_checkpoint(loss)):
             loss.backward()
         elif edges:
             torch.autograd.grad(loss, edges, allow_unused=True)
@@ -192,16 +226,22 @@ class ReferencePass(SessionState):
             elif container and fs.local is None:
                 fs.local_note = CONTAINER_NOTE
         if computes and not container and rec.name != "" and self.config.formats and ys:
+            if not pre_rng.copied and any(t._version != v for t, v in zip(_tensors_in((args, kwargs)),
+                                                                           pre_rng.versions)):
+                for fmt in self.config.formats:
+                    if rec.formats[fmt].local is None:
+                        rec.formats[fmt].local_note = IN_PLACE_NOTE
+                return {}
             call = self._batch_call(args, kwargs, pre_rng)
             if call is None:
                 return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
             self._defer_to_format_passes(m, rec, call, ys)
         return {}
 
-    def _batch_call(self, args, kwargs, pre_rng) -> BatchCall | None:
+    def _batch_call(self, args, kwargs, pre_rng: PreCall) -> BatchCall | None:
         """A :class:`BatchCall` when every tensor argument of this call is one of the batch's, unchanged, and the
         format passes can stand in for its re-runs (emulated mode, one process, no mutable objects in the call)."""
-        rng, snapshot, _ = pre_rng
+        rng, snapshot = pre_rng.rng, pre_rng.snapshot
         if not self._batch_calls or self.config.mode != "emulated" or snapshot is not None:
             return None
         ts = _tensors_in((args, kwargs))
@@ -221,13 +261,13 @@ class ReferencePass(SessionState):
             call.refs = [y.detach().clone() for y in ys]
         for i, y in enumerate(ys):
             if y.requires_grad:
-                y.register_hook(_keep_grad(call, i))
+                self._out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
 
-    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre_rng) -> dict[Format, list[torch.Tensor]]:
+    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[torch.Tensor]]:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[torch.Tensor]] = {}
-        pre_rng, snapshot, draw_start = pre_rng
+        pre_rng, snapshot, draw_start = pre.rng, pre.snapshot, pre.draw_start
         self._rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
@@ -235,7 +275,7 @@ class ReferencePass(SessionState):
             for fmt in self.config.formats:
                 fs = rec.formats[fmt]
                 self._set_rng_state(pre_rng)
-                if snapshot is not None:  # objects the call may have changed (a KV cache): as they were before it
+                if snapshot is not None:  # what the call may have changed (a KV cache, its input): as it was before
                     args, kwargs = copy.deepcopy(snapshot)
                 try:
                     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -46,8 +47,9 @@ from .gemm_mode import TF32_EMULATION, Tf32GemmMode
 from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
+from .output_grads import OutputGradHooks
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
-from .reference_pass import BatchCall, ReferencePass, _tensors_in, snapshot_state
+from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
 from .reference_store import ReferenceStore
 from .rng_replay import RandomDraws, recording, replaying
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
@@ -152,6 +154,8 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._batch_sink: dict[str, dict[Format, float]] | None = None
         # the second order's backward: the gradient edges of the module outputs its loss impacts read
         self._grad_edges: list[Any] = []
+        # this forward's dL/dy hooks, and whether it changed a view output in place (capture/output_grads.py)
+        self._out_hooks, self._views_rebased = OutputGradHooks(), False
         # called with (output, loss) of the next FP32 forward: the second order's (capture/noise.py, _Fp32Order)
         self._on_reference_output: Callable[[Any, torch.Tensor], None] | None = None
         # The reference pass repeated at the second reduction order (capture/noise.py) is read for its loss
@@ -409,7 +413,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             if self._phase == "ref":
                 if m is self.model:  # the batch as the model is given it (calls on it: BatchCall)
                     self._batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
-                self._pre_rng.append((self._rng_state(), snapshot_state(args, kwargs), len(self._draws)))
+                self._pre_rng.append(pre_call(self._rng_state(), m, args, kwargs, len(self._draws)))
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
             else:  # a format pass: the random state before a call on the batch, to check it is the FP32 pass's
@@ -447,8 +451,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         for i, y in enumerate(ys):
             own = self._phase == "ref" and self._note_producer(rec, i, y)
             if y.requires_grad:
-                y.register_hook(self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
-                                                (i, weakref.ref(y)) if own else None))
+                self._out_hooks.register(y, self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
+                                                            (i, weakref.ref(y)) if own else None),
+                                         functools.partial(self._grad_lost, rec, i))
                 if self._impacts_only:  # the gradients the second order's backward computes (_reference_backward)
                     self._grad_edges.append(get_gradient_edge(y))
 
@@ -456,6 +461,7 @@ class CaptureSession(ReferencePass, FormatPasses):
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
         counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
+        self._out_hooks = OutputGradHooks()
         try:
             if fmt is None:
                 # the repeat at the second order reads the first pass's per-call op counts (_call_ops)
@@ -468,6 +474,7 @@ class CaptureSession(ReferencePass, FormatPasses):
                 with counter, self._autocast(fmt), self._same_draws(fmt):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
+            self._views_rebased = self._out_hooks.settle(loss)  # outputs changed in place (capture/output_grads.py)
             key = "fp32" if fmt is None else fmt.value
             self.memory[key] = {"activation_bytes": counter.tally.activation_bytes,
                                 "weight_copy_bytes": counter.tally.weight_copy_bytes}
@@ -496,6 +503,14 @@ class CaptureSession(ReferencePass, FormatPasses):
             elif isinstance(phase, Format):
                 rec.formats[phase].grad_output.update(g)
         return hook
+
+    def _grad_lost(self, rec: LayerRecord, slot: int) -> None:
+        where = f"the {self._phase.value} pass" if isinstance(self._phase, Format) else "the FP32 pass"
+        note = (f"dL/dy of output {slot} not measured in {where}: the output is a view of part of a larger tensor "
+                "and a later op changed it in place, so autograd keeps no gradient of the value the module "
+                "returned; its gradient ranges and loss impacts leave that call out")
+        if note not in rec.notes:
+            rec.notes.append(note)
 
     def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
         """Per format, ``steps`` profiled steps, then ``steps`` clean ones (capture/timing.py)."""

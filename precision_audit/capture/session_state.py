@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..formats import Format
+from .output_grads import OutputGradHooks
 from .records import LayerRecord, RunRecord
 from .reference_store import ReferenceStore
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
@@ -51,6 +52,9 @@ class SessionState:
     _batch_sink: dict[str, dict[Format, float]] | None
     _on_reference_output: Callable[[Any, torch.Tensor], None] | None
     _grad_edges: list[Any]  # torch.autograd.graph.GradientEdge of each module output (the second order's backward)
+    _out_hooks: OutputGradHooks  # dL/dy hooks of the current forward's module outputs (capture/output_grads.py)
+    _views_rebased: bool  # the current forward changed a view output in place
+    _grad_lost: Callable[[LayerRecord, int], None]
     _ref_outputs: dict[int, list[list[torch.Tensor]]]
     _ref_grad_nonfinite: dict[int, torch.Tensor]
     _clone_cache: dict[int, tuple[int, torch.Tensor]]

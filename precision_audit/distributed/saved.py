@@ -102,11 +102,7 @@ class RecomputingCounter(SavedTensorCounter):
         self._replaced: dict[int, tuple[Any, bool]] = {}
 
     def __enter__(self) -> RecomputingCounter:
-        super().__enter__()
-        assert self._hooks is not None
-        self._hooks.__exit__(None, None, None)  # the same pack, paired with an unpack that makes copies again
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        super().__enter__()  # its hooks are this class's pack and unpack (which makes copies again)
         RecomputingCounter.active = self
         return self
 
@@ -139,7 +135,7 @@ class RecomputingCounter(SavedTensorCounter):
     @staticmethod
     def _unpack(x: Any) -> torch.Tensor:
         if not isinstance(x, _Recipe):
-            return x
+            return SavedTensorCounter._unpack(x)
         with _disable_current_modes():
             return x.make()
 
