@@ -13,6 +13,7 @@ session's per-pass state); it holds no state of its own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -56,17 +57,20 @@ class PreCall(NamedTuple):
     draw_start: int
     versions: list[int]  # of the tensor arguments before the call (_tensors_in order)
     copied: bool  # ``snapshot`` holds copies of the tensor arguments
+    autocast_off: bool  # called inside the model's own autocast(enabled=False) region (capture/user_autocast.py)
 
 
-def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_start: int) -> PreCall:
+def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_start: int,
+             autocast_off: bool = False) -> PreCall:
     """The record of a module call's state before it runs. ``nn.ReLU(inplace=True)``, ``nn.SiLU(inplace=True)``,
     ``nn.Dropout(inplace=True)`` ... overwrite their input with their output: their arguments are copied, so the
     re-runs start from the FP32 input (and write into the copy, not into the FP32 pass's tensors)."""
     ts = _tensors_in((args, kwargs))
     if getattr(m, "inplace", False) is True and ts:
         memo: dict[int, Any] = {id(t): t.detach().clone() for t in ts}
-        return PreCall(rng, copy.deepcopy((args, kwargs), memo), draw_start, [t._version for t in ts], True)
-    return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False)
+        return PreCall(rng, copy.deepcopy((args, kwargs), memo), draw_start, [t._version for t in ts], True,
+                       autocast_off)
+    return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, autocast_off)
 
 
 @dataclass
@@ -87,6 +91,7 @@ class BatchCall:
     versions: list[int]  # of the tensor arguments, in _tensors_in order: an in-place change disqualifies
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output slot -> dL/dy of the FP32 backward
     refs: list[torch.Tensor] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
+    autocast_off: bool = False  # inside the model's own autocast(enabled=False) region
 
 
 class ReferencePass(SessionState):
@@ -249,7 +254,8 @@ class ReferencePass(SessionState):
             hit = self._batch_tensors.get(id(t))
             if hit is None or hit[0] is not t or hit[1] != t._version:
                 return None
-        return BatchCall(rng=rng, args=args, kwargs=kwargs, versions=[t._version for t in ts])
+        return BatchCall(rng=rng, args=args, kwargs=kwargs, versions=[t._version for t in ts],
+                         autocast_off=pre_rng.autocast_off)
 
     def _defer_to_format_passes(self, m, rec: LayerRecord, call: BatchCall, ys) -> None:
         self._batch_call_records[(id(m), rec.calls - 1)] = call
@@ -279,13 +285,13 @@ class ReferencePass(SessionState):
                     args, kwargs = copy.deepcopy(snapshot)
                 try:
                     try:
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.autocast_off)
                     except Exception as e:
                         if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
                             raise
                         self._use_gemm_mode = True
                         self._set_rng_state(pre_rng)
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.autocast_off)
                 except torch.OutOfMemoryError:
                     # not a finding of this module: a "not measured" here would read as zero impact to the
                     # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
@@ -333,7 +339,8 @@ class ReferencePass(SessionState):
             self._rerunning = True
             try:
                 self._set_rng_state(call.rng)
-                ps = float_tensors(self._rerun_once(m, fmt, call.args, call.kwargs, [n for n, _ in m.named_buffers()]))
+                ps = float_tensors(self._rerun_once(m, fmt, call.args, call.kwargs, [n for n, _ in m.named_buffers()],
+                                                    off=call.autocast_off))
             finally:
                 self._set_rng_state(now)
                 self._rerunning = False
@@ -359,11 +366,14 @@ class ReferencePass(SessionState):
                 impacts.append(float((g.double() * d.double()).sum()))
         return impacts
 
-    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0) -> Any:
+    def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0,
+                    off: bool = False) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
-        # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op.
-        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), \
+        # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op. ``off``: the
+        # call ran inside the model's own autocast(enabled=False) region, and so does its re-run.
+        region = self._user_autocast.region(fmt is not Format.TF32) if off else contextlib.nullcontext()
+        with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), region, \
                 self._same_draws(fmt, draw_start):
             if not buffer_names:
                 return m(*args, **kwargs)

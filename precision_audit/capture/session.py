@@ -54,6 +54,7 @@ from .reference_store import ReferenceStore
 from .rng_replay import RandomDraws, recording, replaying
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
+from .user_autocast import UserAutocast
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._batch_call_records: dict[tuple[int, int], BatchCall] = {}
         # the second order's format forwards (capture/noise.py): name -> format -> |loss impact| of batch calls
         self._batch_sink: dict[str, dict[Format, float]] | None = None
-        # the second order's backward: the gradient edges of the module outputs its loss impacts read
+        # the second order's backward: the gradient edges of the module outputs its loss impacts read; a forward's
+        # dL/dy hooks (capture/output_grads.py); the model's autocast regions (capture/user_autocast.py)
         self._grad_edges: list[Any] = []
-        # this forward's dL/dy hooks, and whether it changed a view output in place (capture/output_grads.py)
         self._out_hooks, self._views_rebased = OutputGradHooks(), False
         # called with (output, loss) of the next FP32 forward: the second order's (capture/noise.py, _Fp32Order)
         self._on_reference_output: Callable[[Any, torch.Tensor], None] | None = None
@@ -198,6 +199,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             self._param_versions = [p._version for p in self.model.parameters()]
             if self.config.mode == "emulated":
                 self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
+            self._user_autocast = es.enter_context(UserAutocast(self.config.mode == "emulated"))
             self._install_hooks()
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -413,7 +415,8 @@ class CaptureSession(ReferencePass, FormatPasses):
             if self._phase == "ref":
                 if m is self.model:  # the batch as the model is given it (calls on it: BatchCall)
                     self._batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
-                self._pre_rng.append(pre_call(self._rng_state(), m, args, kwargs, len(self._draws)))
+                self._pre_rng.append(pre_call(self._rng_state(), m, args, kwargs, len(self._draws),
+                                              self._user_autocast.off))
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
             else:  # a format pass: the random state before a call on the batch, to check it is the FP32 pass's
