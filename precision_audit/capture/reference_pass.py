@@ -145,8 +145,14 @@ class ReferencePass(SessionState):
         view output was changed in place (its hook moved to a node: capture/output_grads.py) take the whole
         backward."""
         edges, self._grad_edges = self._grad_edges, []
-        if (not (self._impacts_only and self._outputs_only_backward) or self._views_rebased
-                or _reentrant_checkpoint(loss)):
+        reentrant = _reentrant_checkpoint(loss)
+        if reentrant and not self._impacts_only and not any("reentrant autograd" in w for w in self.warnings):
+            self.warnings.append(
+                "the model checkpoints activations with a reentrant autograd function of its own (not "
+                "torch.utils.checkpoint, which the audit runs non-reentrant: docs/memory.md): the modules inside "
+                "those segments have no gradient ranges and no first-order loss impacts; use "
+                "torch.utils.checkpoint or turn the library's checkpointing off for the audit")
+        if not (self._impacts_only and self._outputs_only_backward) or self._views_rebased or reentrant:
             loss.backward()
         elif edges:
             torch.autograd.grad(loss, edges, allow_unused=True)

@@ -40,6 +40,7 @@ from ..errors import AuditError, ModelLoadError, ModelRunError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..outputs import _NoInterrupt
 from ..tf32_switches import tf32_switches
+from .checkpointing import NonReentrantCheckpoints
 from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
 from .failures import RunFailure
 from .format_pass import FormatPasses
@@ -200,6 +201,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             if self.config.mode == "emulated":
                 self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
             self._user_autocast = es.enter_context(UserAutocast(self.config.mode == "emulated"))
+            es.enter_context(NonReentrantCheckpoints())
             self._install_hooks()
         except BaseException:
             self.__exit__(*sys.exc_info())

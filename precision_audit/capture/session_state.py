@@ -55,6 +55,7 @@ class SessionState:
     _grad_edges: list[Any]  # torch.autograd.graph.GradientEdge of each module output (the second order's backward)
     _out_hooks: OutputGradHooks  # dL/dy hooks of the current forward's module outputs (capture/output_grads.py)
     _views_rebased: bool  # the current forward changed a view output in place
+    warnings: list[str]
     _user_autocast: UserAutocast  # the model's own autocast regions (capture/user_autocast.py)
     _grad_lost: Callable[[LayerRecord, int], None]
     _ref_outputs: dict[int, list[list[torch.Tensor]]]
