@@ -59,7 +59,7 @@ from .outputs import Staging, check_out_dir
 from .planning.rules import Plan, plan_mixed_precision
 from .planning.verified import ChosenPlan, choose_verified_plan, plan_verifier
 from .policy.build import build_policy
-from .policy.schema import Policy, fingerprint
+from .policy.schema import Policy, fingerprint, unwrap_model
 from .record import AuditRecord
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
 
@@ -351,6 +351,7 @@ class Subject:
 def load_subject(opts: AuditOptions) -> Subject:
     """Import MODEL, check it can be trained, and load BATCH (or the file's ``sample_batch()``) for it."""
     model, source = load_model(opts.model)
+    model = unwrap_model(model)  # torch.compile's wrapper: its module, names as the runtime sees them
     check_trainable(model, source)
     return Subject(model, source, load_batch(opts.batch, model, source))
 

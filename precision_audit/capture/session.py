@@ -202,6 +202,8 @@ class CaptureSession(ReferencePass, FormatPasses):
                 self._policy = es.enter_context(CudaAutocastPolicy(self.config.kernels))
             self._user_autocast = es.enter_context(UserAutocast(self.config.mode == "emulated"))
             es.enter_context(NonReentrantCheckpoints())
+            # torch.compile'd submodules run their eager code, which the hooks and the emulation see op by op
+            es.enter_context(torch.compiler.set_stance("force_eager"))
             self._install_hooks()
         except BaseException:
             self.__exit__(*sys.exc_info())
