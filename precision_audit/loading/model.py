@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from precision_audit.errors import ModelLoadError
@@ -374,6 +375,7 @@ def check_trainable(model: nn.Module, source: ModelSource) -> None:
             found=f"{type(model).__name__} with 0 parameters",
             hint="pass the model that owns the weights; a parameter-free function needs no precision policy",
         )
+    _check_float32_trainables(model, name, where)
     if not any(p.requires_grad for p in params):
         count = sum(p.numel() for p in params)
         raise ModelLoadError(
@@ -383,6 +385,32 @@ def check_trainable(model: nn.Module, source: ModelSource) -> None:
             found=f"{type(model).__name__}: {len(params)} parameter tensors ({count:,} values), all frozen",
             hint="unfreeze the layers you train (p.requires_grad_(True)) before returning the model",
         )
+
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _check_float32_trainables(model: nn.Module, name: str, where: str) -> None:
+    """The audit measures each format against an FP32 pass of the same model. A model whose trained parameters
+    are all fp16/bf16 (``model.half()``, ``.to(torch.bfloat16)``) has no FP32 pass: its "reference" would be its
+    own low-precision run, and the format it is already in would show no error at all. Frozen low-precision
+    parameters beside float32 trained ones (a frozen bf16 base under float32 adapters) are the model as trained,
+    and are accepted."""
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    if not trained or any(p.dtype not in _LOW for _, p in trained):
+        return
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in trained})
+    raise ModelLoadError(
+        f"the model built by {name} in {where} ({type(model).__name__}) trains {', '.join(dtypes)} parameters "
+        "only, so there is no FP32 pass to measure low precision against (the format it is in would show no "
+        "error at all)",
+        expected="float32 parameters, as a mixed-precision run keeps them (autocast computes in fp16/bf16 from "
+        "float32 weights)",
+        found=f"{len(trained)} trained parameter tensors, all {'/'.join(dtypes)}, e.g. "
+        + ", ".join(n for n, _ in trained[:3]),
+        hint="build the model in float32 (drop the .half() / .to(torch.bfloat16) in the model file); the audit then "
+        "says whether bf16 or fp16 is safe for it",
+    )
 
 
 def _check_not_meta(model: nn.Module, name: str, where: str) -> None:

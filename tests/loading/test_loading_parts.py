@@ -163,3 +163,22 @@ def test_output_structure_collapses_runs_and_names_types():
                                     "ns": types.SimpleNamespace()})
     assert text == ("dict(logits: Tensor[2,5], past: tuple(24 x tuple(2 x Tensor[1,2])), aux: None, "
                     "ns: SimpleNamespace)")
+
+
+def test_frozen_low_precision_parameters_beside_float32_trained_ones_are_accepted(tmp_path):
+    """The boundary of the low-precision refusal: a frozen bf16 base under float32 adapters is the model as trained
+    (its reference runs the base in bf16, as training does); only a model that trains no float32 parameter has no
+    FP32 pass and is refused."""
+    from precision_audit.loading import check_trainable, load_model
+
+    src = tmp_path / "adapters.py"
+    src.write_text(
+        "import torch\n"
+        "def build_model():\n"
+        "    base = torch.nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)\n"
+        "    return torch.nn.ModuleDict({'base': base, 'adapter': torch.nn.Linear(8, 8)})\n")
+    check_trainable(*load_model(str(src)))  # accepted
+    model, source = load_model(str(src))
+    model["adapter"].to(torch.float16)
+    with pytest.raises(ModelLoadError, match="trains float16 parameters only"):
+        check_trainable(model, source)
