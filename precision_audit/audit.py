@@ -54,6 +54,7 @@ from .loading import (
     output_structure,
     resolve_loss,
 )
+from .loading.nested import named_tensors
 from .options import AuditOptions, _short_repr, resolve_device, select_formats
 from .outputs import Staging, check_out_dir
 from .planning.rules import Plan, plan_mixed_precision
@@ -202,11 +203,29 @@ class SubjectRun:
         self.batch = batch.to(device)
         self.spec: LossSpec | None = None
         self.structures: list[str] = []
+        self._pristine: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None
 
     def forward(self, m: torch.nn.Module) -> Any:
+        self._restore_batch()
         out = m(*self.batch.args, **self.batch.kwargs)
         self.structures.append(output_structure(out))
         return out
+
+    def _restore_batch(self) -> None:
+        """Every forward starts from the batch as loaded. A model that changes its input in place (``x.mul_(2)``,
+        an in-place normalisation) would otherwise give each later pass another batch, and the formats'
+        differences would be the batch's: the tensors are copied once, before the first forward, and put back
+        where a version moved (the same tensor objects, so that calls on the batch are still recognised)."""
+        both = (self.batch.args, self.batch.kwargs)
+        tensors = list({id(t): t for _, t in named_tensors(both, "batch")}.values())
+        if self._pristine is None:
+            self._pristine = [(t, t.detach().clone(), t._version) for t in tensors]
+            return
+        for i, (t, kept, version) in enumerate(self._pristine):
+            if t._version != version:
+                with torch.no_grad():
+                    t.copy_(kept)
+                self._pristine[i] = (t, kept, t._version)
 
     def loss_of(self, out: Any) -> torch.Tensor:
         if self.spec is None:
