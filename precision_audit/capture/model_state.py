@@ -90,13 +90,9 @@ class ModelState:
         with torch.no_grad():
             if not self.moved:  # moved: the original buffers were never touched and are put back below
                 self.reset_buffers()
-            for m, attrs, inner in self._dicts:
+            put_attributes_back([(m, attrs) for m, attrs, _ in self._dicts])
+            for m, _, inner in self._dicts:
                 d = m.__dict__
-                for k in [k for k in d if k not in attrs]:
-                    del d[k]
-                for k, v in attrs.items():
-                    if d.get(k, _MISSING) is not v:
-                        d[k] = v
                 for k, saved in inner.items():
                     live = d[k]
                     live.clear()
@@ -110,3 +106,20 @@ class ModelState:
 
 
 _MISSING = object()
+
+
+def module_attributes(module: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, Any]]]:
+    """A shallow copy of the attributes of ``module`` and every module inside it (references, not copies)."""
+    return [(m, dict(m.__dict__)) for m in module.modules()]
+
+
+def put_attributes_back(saved: list[tuple[torch.nn.Module, dict[str, Any]]]) -> None:
+    """Rebind every attribute a forward rebound and remove every one it added (``module_attributes``); the
+    contents of mutable attributes (a list it appended to, the hook dictionaries) are left as they are."""
+    for m, attrs in saved:
+        d = m.__dict__
+        for k in [k for k in d if k not in attrs]:
+            del d[k]
+        for k, v in attrs.items():
+            if d.get(k, _MISSING) is not v:
+                d[k] = v

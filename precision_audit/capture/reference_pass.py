@@ -29,6 +29,7 @@ from ..formats import Format
 from .emulation import rounding_registry_paused
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
+from .model_state import module_attributes, put_attributes_back
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .session_state import RngState, SessionState
 from .shards import owned_part
@@ -58,6 +59,9 @@ class PreCall(NamedTuple):
     versions: list[int]  # of the tensor arguments before the call (_tensors_in order)
     copied: bool  # ``snapshot`` holds copies of the tensor arguments
     autocast_off: bool  # called inside the model's own autocast(enabled=False) region (capture/user_autocast.py)
+    # the attributes of the module and every module inside it (references): a re-run starts from them (a call
+    # counter the call itself bumped is put back first)
+    attributes: list[tuple[torch.nn.Module, dict[str, Any]]]
 
 
 def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_start: int,
@@ -69,8 +73,9 @@ def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_
     if getattr(m, "inplace", False) is True and ts:
         memo: dict[int, Any] = {id(t): t.detach().clone() for t in ts}
         return PreCall(rng, copy.deepcopy((args, kwargs), memo), draw_start, [t._version for t in ts], True,
-                       autocast_off)
-    return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, autocast_off)
+                       autocast_off, module_attributes(m))
+    return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, autocast_off,
+                   module_attributes(m))
 
 
 @dataclass
@@ -92,6 +97,7 @@ class BatchCall:
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output slot -> dL/dy of the FP32 backward
     refs: list[torch.Tensor] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
     autocast_off: bool = False  # inside the model's own autocast(enabled=False) region
+    attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)  # before the call
 
 
 class ReferencePass(SessionState):
@@ -261,7 +267,7 @@ class ReferencePass(SessionState):
             if hit is None or hit[0] is not t or hit[1] != t._version:
                 return None
         return BatchCall(rng=rng, args=args, kwargs=kwargs, versions=[t._version for t in ts],
-                         autocast_off=pre_rng.autocast_off)
+                         autocast_off=pre_rng.autocast_off, attributes=pre_rng.attributes)
 
     def _defer_to_format_passes(self, m, rec: LayerRecord, call: BatchCall, ys) -> None:
         self._batch_call_records[(id(m), rec.calls - 1)] = call
@@ -283,8 +289,10 @@ class ReferencePass(SessionState):
         self._rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
+        attributes = module_attributes(m)  # after the call: what the re-runs leave the module as
         try:
             for fmt in self.config.formats:
+                put_attributes_back(pre.attributes)  # before the call: what each re-run starts from
                 fs = rec.formats[fmt]
                 self._set_rng_state(pre_rng)
                 if snapshot is not None:  # what the call may have changed (a KV cache, its input): as it was before
@@ -324,6 +332,7 @@ class ReferencePass(SessionState):
                     diffs[fmt] = [self._refs.stash(_diff_bf16(y.detach(), p.detach(), ok))
                                   for y, p, ok in zip(ys, ps, finite)]
         finally:
+            put_attributes_back(attributes)
             self._set_rng_state(now)
             self._rerunning = False
         return diffs
@@ -343,11 +352,14 @@ class ReferencePass(SessionState):
         else:
             now = self._rng_state()
             self._rerunning = True
+            attributes = module_attributes(m)
             try:
+                put_attributes_back(call.attributes)
                 self._set_rng_state(call.rng)
                 ps = float_tensors(self._rerun_once(m, fmt, call.args, call.kwargs, [n for n, _ in m.named_buffers()],
                                                     off=call.autocast_off))
             finally:
+                put_attributes_back(attributes)
                 self._set_rng_state(now)
                 self._rerunning = False
         if refs is None or len(ps) != len(refs) or any(r.shape != p.shape for r, p in zip(refs, ps)):
