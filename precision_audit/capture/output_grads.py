@@ -21,7 +21,7 @@ docs/memory.md ("Gradients of outputs changed in place") has the background.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,19 +78,10 @@ class OutputGradHooks:
             return False
         targets = {id(v.base_node) for v in views}
         consumers: dict[tuple[int, int], list[Any]] = {}
-        seen: set[int] = set()
-        stack = [loss.grad_fn]
-        while stack:
-            fn = stack.pop()
-            if fn is None or id(fn) in seen:
-                continue
-            seen.add(id(fn))
+        for fn in autograd_nodes(loss):
             for nf, nr in fn.next_functions:
-                if nf is None:
-                    continue
-                if id(nf) in targets:
+                if nf is not None and id(nf) in targets:
                     consumers.setdefault((id(nf), nr), []).append(fn)
-                stack.append(nf)
         rebased = False
         for v in views:
             users = consumers.get((id(v.base_node), v.base_nr), [])
@@ -104,6 +95,19 @@ class OutputGradHooks:
             elif v.lost is not None:
                 v.lost()
         return rebased
+
+
+def autograd_nodes(loss: torch.Tensor) -> Iterator[Any]:
+    """Every node of the graph behind ``loss``, once each."""
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        yield fn
+        stack.extend(f for f, _ in fn.next_functions)
 
 
 def _at_base(hook: Callable[[torch.Tensor], Any], nr: int, shape: torch.Size):

@@ -30,6 +30,7 @@ from .emulation import rounding_registry_paused
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .model_state import module_attributes, put_attributes_back
+from .output_grads import autograd_nodes
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .session_state import RngState, SessionState
 from .shards import owned_part
@@ -443,17 +444,7 @@ def _diff_bf16(y: torch.Tensor, p: torch.Tensor, finite: bool | None) -> torch.T
 def _reentrant_checkpoint(loss: torch.Tensor) -> bool:
     """Whether the graph behind ``loss`` holds a reentrant ``torch.utils.checkpoint`` (which raises under
     ``torch.autograd.grad``)."""
-    seen: set[int] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if type(fn).__name__ == "CheckpointFunctionBackward":
-            return True
-        stack.extend(f for f, _ in fn.next_functions)
-    return False
+    return any(type(fn).__name__ == "CheckpointFunctionBackward" for fn in autograd_nodes(loss))
 
 
 def _keep_grad(call: BatchCall, slot: int):
