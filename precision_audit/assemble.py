@@ -22,6 +22,7 @@ from .formats import Format
 from .planning.rules import Plan
 from .planning.select import PlanCandidate
 from .planning.verified import ChosenPlan
+from .policy.schema import named_modules
 
 
 def error_metrics(e: ErrorStats | None) -> R.ErrorMetrics | None:
@@ -230,7 +231,7 @@ def model_facts(model: torch.nn.Module, source_label: str, fp: str, n_modules: i
 
 
 def rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
-    rnns = [n for n, m in model.named_modules() if isinstance(m, (torch.nn.LSTM, torch.nn.GRU))]
+    rnns = [n for n, m in named_modules(model) if isinstance(m, (torch.nn.LSTM, torch.nn.GRU))]
     if mode != "emulated" or not rnns:
         return []
     return [f"{', '.join(rnns[:5])}: nn.LSTM/nn.GRU run in fp16 on CUDA through cuDNN's own autocast wrapper, "

@@ -60,7 +60,7 @@ from .outputs import Staging, check_out_dir
 from .planning.rules import Plan, plan_mixed_precision
 from .planning.verified import ChosenPlan, choose_verified_plan, plan_verifier
 from .policy.build import build_policy
-from .policy.schema import Policy, fingerprint, unwrap_model
+from .policy.schema import Policy, fingerprint, named_modules, unwrap_model
 from .record import AuditRecord
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
 
@@ -456,7 +456,7 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
 
 def _performance(capture: CaptureResult, setup: RunSetup, model: torch.nn.Module, say: Progress) -> Performance:
     """Alignment, cost and memory on the target; on a GPU, the misaligned GEMMs timed as well."""
-    shapes = {n: list(m.weight.shape) for n, m in model.named_modules()
+    shapes = {n: list(m.weight.shape) for n, m in named_modules(model)
               if isinstance(m, torch.nn.Embedding) and getattr(m, "weight", None) is not None}
     perf = performance(capture, setup.target, shapes, sum(p.numel() * p.element_size() for p in model.parameters()),
                        sum(p.numel() for p in model.parameters() if p.requires_grad), tied=tied_modules(model))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .errors import SEED_MAX, SEED_MIN, OptionError
-from .policy.schema import Policy
+from .policy.schema import Policy, named_modules
 from .record import VerifyResult
 from .tf32_switches import tf32_switches
 
@@ -170,7 +170,7 @@ def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> No
     GEMM operand through FP32, which torchao's FP8 tensors do not support; so in emulated mode each converted
     module runs with autocast off on its input rounded to the autocast dtype, in FP32 from the dequantised FP8
     operands (torchao's ``emulate``), and its output is rounded to the autocast dtype, as on the GPU."""
-    mods = dict(model.named_modules())
+    mods = dict(named_modules(model))
     for name in names:
         m = mods[name]
 

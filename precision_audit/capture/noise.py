@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..formats import Format
+from ..policy.schema import named_modules
 from .records import float_tensors
 from .stats import ErrorStats, MagnitudeHistogram
 
@@ -124,7 +125,7 @@ def _sample(session) -> list[torch.nn.Module]:
         return []
     step = max(1, len(recs) // SAMPLE_LAYERS)
     names = list(dict.fromkeys(r.name for r in recs[::step][:SAMPLE_LAYERS - 1] + [recs[-1]]))
-    by_name = dict(session.model.named_modules())
+    by_name = dict(named_modules(session.model))
     return [by_name[n] for n in names if n in by_name]
 
 

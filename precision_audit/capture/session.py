@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..errors import AuditError, ModelLoadError, ModelRunError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..outputs import _NoInterrupt
+from ..policy.schema import named_modules
 from ..tf32_switches import tf32_switches
 from .checkpointing import NonReentrantCheckpoints
 from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
@@ -123,8 +124,8 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._state = ModelState(model, config.device)
         self._prepared = False
         self.training = model.training
-        self._names = {id(m): n for n, m in self.model.named_modules()}
-        self._modules = {id(m): m for _, m in self.model.named_modules()}
+        self._names = {id(m): n for n, m in named_modules(self.model)}
+        self._modules = {id(m): m for _, m in named_modules(self.model)}
         # Passes never step an optimizer, so parameters do not change (checked, not copied); buffers do
         # (BatchNorm's running statistics), and are put back before every pass.
         self._param_versions: list[int] = []
@@ -216,7 +217,7 @@ class CaptureSession(ReferencePass, FormatPasses):
                                  found=f"{type(self.model).__name__} (torch.jit.script or torch.jit.trace)",
                                  hint="audit the eager nn.Module you script (a scripted submodule inside an eager "
                                       "model is fine: it is measured as part of its parent)")
-        for m in self.model.modules():
+        for m in self._modules.values():  # a torch.compile wrapper inside the model is transparent (its module's are)
             if isinstance(m, torch.jit.ScriptModule):
                 # TorchScript modules take no Python hooks; their ops count as their eager parent's own work
                 continue

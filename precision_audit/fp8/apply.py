@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import PolicyError
+from ..policy.schema import named_modules
 from .policy import Fp8Plan
 from .recipes import RECIPES
 
@@ -61,7 +62,7 @@ def apply_fp8(model: torch.nn.Module, plan: Fp8Plan | dict[str, str] | Any, *,
         plan = Fp8Plan.from_policy(plan)
     if not plan.modules:
         return []
-    mods = dict(model.named_modules())
+    mods = dict(named_modules(model))
     problems = []
     for name, m in sorted(plan.modules.items()):
         if m.recipe in _NO_TORCHAO_TRAINING:

@@ -29,6 +29,7 @@ import torch
 from ..capture.records import float_tensors
 from ..capture.runner import ModelState
 from ..capture.stats import ErrorStats
+from ..policy.schema import named_modules
 from .linear import Fp8State, OperandStats, fp8_linear, patched
 from .other_gemms import OtherGemm, measure_other_gemms, other_gemms_dict
 from .recipes import DEFAULT_RECIPES, RECIPES, Recipe
@@ -126,7 +127,7 @@ def measure_fp8(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any
 
 
 def _linears(model: torch.nn.Module) -> dict[torch.nn.Linear, str]:
-    return {m: n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {m: n for n, m in named_modules(model) if isinstance(m, torch.nn.Linear)}
 
 
 def _reset(model: torch.nn.Module, state: ModelState, seed: int) -> None:

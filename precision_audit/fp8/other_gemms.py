@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..capture.stats import ErrorStats
+from ..policy.schema import named_modules
 from .linear import Fp8State, OperandStats
 from .recipes import RECIPES
 
@@ -121,7 +122,7 @@ def measure_other_gemms(model: torch.nn.Module, run: Callable[[], Any], recipes:
         if stack:
             stack.pop()
 
-    for name, m in model.named_modules():
+    for name, m in named_modules(model):
         if isinstance(m, torch.nn.Linear):
             continue
         hooks.append(m.register_forward_pre_hook(lambda _m, _a, n=name: enter(_m, _a, n)))

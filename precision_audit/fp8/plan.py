@@ -20,6 +20,7 @@ import torch
 
 from ..capture.stats import ErrorStats
 from ..gpus import GpuSpec
+from ..policy.schema import named_modules
 from .cost import LayerCost, layer_cost
 from .measure import Fp8Result, LayerResult
 from .recipes import RECIPES, supported
@@ -156,7 +157,7 @@ def make_verifier(model: torch.nn.Module, forward: Callable[[torch.nn.Module], A
     from .linear import Fp8State, patched
 
     def verify(modules: dict[str, str]) -> tuple[float, ErrorStats]:
-        mods = dict(model.named_modules())
+        mods: dict[str, Any] = dict(named_modules(model))
         state = ModelState(model, device)
         state.prepare()
         try:

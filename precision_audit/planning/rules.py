@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..analysis.findings import Analysis, LayerFinding
 from ..formats import LOW_PRECISION_FORMATS, SPECS, Format
+from ..policy.schema import named_modules
 
 if TYPE_CHECKING:
     from .planner import PlannerResult
@@ -224,7 +225,7 @@ def plan_mixed_precision(analysis: Analysis, capture, perf, candidates_formats: 
     default, why = choose_default(candidates_formats, target_name)
     if default is Format.FP32:
         return plan_by_rules(analysis, candidates_formats, target_name), None
-    modules = dict(model.named_modules())
+    modules = dict(named_modules(model))
     groups = _tied_groups(model)
     cands, zero = _planner_candidates(analysis, capture, perf, candidates_formats, modules, groups)
     if not cands:
@@ -459,7 +460,7 @@ def _kept_reason(d, base: Format, ref: float, budget_rel: float) -> str:
 def _tied_groups(model) -> dict[str, str]:
     """Modules sharing a parameter object get one group name (weight tying: one format for all)."""
     owners: dict[int, list[str]] = {}
-    for name, m in model.named_modules():
+    for name, m in named_modules(model):
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), []).append(name)
     groups: dict[str, str] = {}

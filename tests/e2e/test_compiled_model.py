@@ -28,7 +28,7 @@ class Block(torch.nn.Module):
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc1, self.block, self.fc2 = torch.nn.Linear(32, 64), Block(), torch.nn.Linear(64, 8)
+        self.fc1, self.block, self.fc2 = torch.nn.Linear(32, 64), INNER(Block()), torch.nn.Linear(64, 8)
 
     def forward(self, x):
         return self.fc2(self.block(self.fc1(x)))
@@ -36,7 +36,7 @@ class Net(torch.nn.Module):
 
 def build_model():
     torch.manual_seed(0)
-    return WRAP(Net())
+    return OUTER(Net())
 
 
 def sample_batch():
@@ -45,14 +45,30 @@ def sample_batch():
 
 
 def test_a_compiled_model_is_audited_as_its_eager_module(tmp_path):
+    import precision_audit as pa
     from test_golden_audit import differences
 
     figures = {}
-    for name, wrap in (("eager", "(lambda m: m)"), ("compiled", "torch.compile")):
+    plain = "(lambda m: m)"
+    for name, outer, inner in (("eager", plain, plain), ("compiled", "torch.compile", plain),
+                               ("compiled_block", plain, "torch.compile")):
         src = tmp_path / f"{name}.py"
-        src.write_text(MODEL.replace("WRAP", wrap))
+        src.write_text(MODEL.replace("OUTER", outer).replace("INNER", inner))
         assert main([str(src), "--out", str(tmp_path / name), "-q"]) in (0, 1)
         figures[name] = json.loads((tmp_path / name / "audit.json").read_text())
-    assert [L["name"] for L in figures["compiled"]["layers"]] == ["", "fc1", "block", "block.fc", "fc2"]
-    diff = [d for d in differences(figures["eager"], figures["compiled"]) if ".source" not in d and ".options" not in d]
-    assert diff == []
+    for name in ("compiled", "compiled_block"):  # names as the runtime sees them: no "_orig_mod"
+        assert [L["name"] for L in figures[name]["layers"]] == ["", "fc1", "block", "block.fc", "fc2"]
+        diff = [d for d in differences(figures["eager"], figures[name]) if ".source" not in d and ".options" not in d]
+        assert diff == [], name
+
+    # a policy naming a module inside the compiled block applies to that model
+    policy = json.loads((tmp_path / "compiled_block" / "policy.json").read_text())
+    policy["modules"] = {"block.fc": {"format": "fp32", "reason": "test"}}
+    (tmp_path / "pinned.json").write_text(json.dumps(policy))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import compiled_block
+    finally:
+        sys.path.remove(str(tmp_path))
+    handle = pa.apply_policy(compiled_block.build_model(), pa.load_policy(tmp_path / "pinned.json"))
+    assert "1 module(s) overridden" in repr(handle)
