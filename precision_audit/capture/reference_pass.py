@@ -73,8 +73,12 @@ def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_
     ts = _tensors_in((args, kwargs))
     if getattr(m, "inplace", False) is True and ts:
         memo: dict[int, Any] = {id(t): t.detach().clone() for t in ts}
-        return PreCall(rng, copy.deepcopy((args, kwargs), memo), draw_start, [t._version for t in ts], True,
-                       autocast_off, module_attributes(m))
+        try:
+            copied = copy.deepcopy((args, kwargs), memo)
+        except Exception:  # an argument that cannot be copied: not re-run if the call changes its input (IN_PLACE_NOTE)
+            copied = None
+        if copied is not None:
+            return PreCall(rng, copied, draw_start, [t._version for t in ts], True, autocast_off, module_attributes(m))
     return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, autocast_off,
                    module_attributes(m))
 
