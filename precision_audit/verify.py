@@ -67,6 +67,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     final divergence, whether the policy arm failed; its ``loss`` is filled in by the caller)."""
     from .capture.compiled import resolve as resolve_kernels
     from .capture.emulation import CudaAutocastPolicy, emulated_autocast
+    from .capture.user_autocast import UserAutocast
 
     say = progress or (lambda m: None)
     device_type = "cuda" if mode == "cuda" else "cpu"
@@ -93,6 +94,9 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                                                   else []))
         if mode != "cuda":
             stack.enter_context(CudaAutocastPolicy(resolve_kernels("auto")))
+            # the model's own "cuda" autocast regions and CUDA autocast queries, as the audit's passes run them
+            # (docs/emulation.md, "The model's own autocast regions")
+            stack.enter_context(UserAutocast(emulated=True))
         for arm, dtype in arms:
             say(f"verify: {opts.steps} training steps under {arm}")
             torch.manual_seed(opts.seed)

@@ -39,3 +39,46 @@ def test_verify_refuses_a_policy_for_another_model(tmp_path, capsys):
                  "--policy", str(out / "policy.json"), "--out", str(tmp_path / "v"), "--steps", "2", "-q"])
     assert code == 2
     assert "another model" in capsys.readouterr().err
+
+
+def test_verify_runs_the_models_own_cuda_autocast_code_as_the_audit_does():
+    """The emulated arms see the model's ``torch.autocast("cuda", enabled=False)`` regions and its questions about
+    CUDA autocast as a GPU answers them: the same curves as the model written for the tensors' own device, which
+    PyTorch handles itself. Before, the "cuda" region left the emulation's CPU autocast on (the head ran in the
+    arm's format) and ``torch.is_autocast_enabled()`` read as off (the norm never cast)."""
+    import torch
+    import torch.nn.functional as F
+
+    from precision_audit.policy import LossScaling, Policy, fingerprint, model_layout
+    from precision_audit.verify import VerifyOptions, run_verify
+
+    class Net(torch.nn.Module):
+        def __init__(self, device: bool) -> None:
+            super().__init__()
+            self.fc, self.head, self.device = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8), device
+
+        def forward(self, x):
+            dev = x.device.type if self.device else None
+            h = self.fc(x)
+            on = torch.is_autocast_enabled(dev) if dev else torch.is_autocast_enabled()
+            if on:  # normalise in the autocast dtype, as Nemotron's LayerNorm does
+                h = h.to(torch.get_autocast_dtype(dev or "cuda"))
+            with torch.autocast(dev or "cuda", enabled=False):
+                h = F.layer_norm(h, (32,))
+                return self.head(h.float())
+
+    def curves(device: bool) -> dict:
+        torch.manual_seed(0)
+        model = Net(device)
+        fp, n = fingerprint(model)
+        pol = Policy(model_class="Net", model_fingerprint=fp, model_modules=n, target_name="H100 SXM",
+                     target_compute_capability=(9, 0), default_format="bf16", modules={},
+                     loss_scaling=LossScaling(), model_layout=model_layout(model))
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+        return run_verify(model, lambda m: m(x), lambda o: F.mse_loss(o, y), pol, "cpu", "emulated",
+                          VerifyOptions(steps=3, lr=1e-2)).curves
+
+    got, ref = curves(False), curves(True)
+    assert got == ref
+    assert got["bf16"] != got["fp32"] and got["fp16"] != got["bf16"]  # the formats did run (fc, the norm)

@@ -20,17 +20,96 @@ Two things follow for the audit (docs/emulation.md, "The model's own autocast re
 a CPU-only build ``torch.autocast("cuda")`` turns itself off), ``__enter__`` and ``__exit__`` while the session is
 open, and keeps the stack of regions on the audited device types. Regions that turn autocast *on* with their own
 dtype are tracked (they end an enclosing "off") but not emulated.
+
+*Emulated*, the model's questions about CUDA autocast get a GPU's answers too (:class:`CudaQueries`). Code asks
+``torch.is_autocast_enabled()`` (no argument: CUDA's) or ``torch.get_autocast_gpu_dtype()`` to cast its own
+inputs (Nemotron's LayerNorm casts to the autocast dtype and normalises in it), and ``torch.amp.custom_fwd(
+device_type="cuda", cast_inputs=torch.float32)`` asks the same before it casts a custom function's inputs to FP32
+and turns autocast off. On a CPU-only build CUDA autocast is always off, so such code took its no-autocast branch
+in every pass. While the session is open the CUDA queries answer the emulation's CPU autocast state and dtype,
+and ``custom_fwd``'s cast treats the CPU tensors as the device's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
+import torch.amp.autocast_mode as _amp_mode
 from torch.amp.autocast_mode import autocast as _Autocast
 
 _ACTIVE: UserAutocast | None = None
+# set while torch.autocast's own __enter__/__exit__ run: they save and restore CUDA's real state
+_TORCH_OWN = threading.local()
+
+
+def _in_torch_own() -> bool:
+    return getattr(_TORCH_OWN, "depth", 0) > 0
+
+
+def _own(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` as torch.autocast's own code: the CUDA queries give CUDA's real state."""
+    _TORCH_OWN.depth = getattr(_TORCH_OWN, "depth", 0) + 1
+    try:
+        return fn(*args)
+    finally:
+        _TORCH_OWN.depth -= 1
+
+
+class CudaQueries:
+    """While entered (emulated sessions only): CUDA autocast queries answer the emulation's state (module
+    docstring). Puts the functions and CUDA's real autocast state back on exit."""
+
+    def __init__(self) -> None:
+        self._saved: tuple[Any, ...] | None = None
+        self._gpu_dtype = hasattr(torch, "get_autocast_gpu_dtype")
+
+    def __enter__(self) -> CudaQueries:
+        real_enabled, real_dtype, real_cast = torch.is_autocast_enabled, torch.get_autocast_dtype, _amp_mode._cast
+        self._saved = (real_enabled, real_dtype, getattr(torch, "get_autocast_gpu_dtype", None), real_cast,
+                       real_enabled("cuda"), real_dtype("cuda"))
+
+        def is_autocast_enabled(*args: Any, **kwargs: Any) -> bool:
+            device = args[0] if args else kwargs.get("device_type", "cuda")
+            if device == "cuda" and not _in_torch_own():
+                return bool(real_enabled("cpu") or real_enabled("cuda"))
+            return bool(real_enabled(*args, **kwargs))
+
+        def get_autocast_dtype(*args: Any, **kwargs: Any) -> torch.dtype:
+            device = args[0] if args else kwargs.get("device_type")
+            if device == "cuda" and not _in_torch_own() and real_enabled("cpu"):
+                return real_dtype("cpu")
+            return real_dtype(*args, **kwargs)
+
+        def get_autocast_gpu_dtype() -> torch.dtype:
+            return get_autocast_dtype("cuda")
+
+        def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
+            return real_cast(value, "cpu" if device_type == "cuda" else device_type, dtype)
+
+        torch.is_autocast_enabled = is_autocast_enabled
+        torch.get_autocast_dtype = get_autocast_dtype
+        if self._gpu_dtype:
+            torch.get_autocast_gpu_dtype = get_autocast_gpu_dtype
+        _amp_mode._cast = _cast
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is None:
+            return
+        real_enabled, real_dtype, gpu_dtype, real_cast, cuda_on, cuda_dtype = self._saved
+        self._saved = None
+        torch.is_autocast_enabled = real_enabled
+        torch.get_autocast_dtype = real_dtype
+        if self._gpu_dtype:
+            torch.get_autocast_gpu_dtype = gpu_dtype
+        _amp_mode._cast = real_cast
+        # code that saved a query's answer and set it back (torch.set_autocast_enabled(prev)) may have turned
+        # CUDA's real flag on: CUDA's state is put back as it was
+        torch.set_autocast_enabled("cuda", cuda_on)
+        torch.set_autocast_dtype("cuda", cuda_dtype)
 
 
 class UserAutocast:
@@ -42,6 +121,7 @@ class UserAutocast:
         self.devices = ("cuda", "cpu") if emulated else ("cuda",)
         self.stack: list[bool] = []
         self._saved: tuple[Any, Any, Any] | None = None
+        self._queries: CudaQueries | None = None
 
     @property
     def off(self) -> bool:
@@ -64,10 +144,10 @@ class UserAutocast:
 
         def patched_init(a, device_type, dtype=None, enabled=True, cache_enabled=None):
             a._pa_requested = (device_type, bool(enabled))
-            init(a, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            _own(lambda: init(a, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
 
         def patched_enter(a):
-            out = enter(a)
+            out = _own(enter, a)
             tracker, req = _ACTIVE, getattr(a, "_pa_requested", None)
             a._pa_inner = None
             a._pa_tracked = False
@@ -76,7 +156,7 @@ class UserAutocast:
                 tracker.stack.append(req[1])
                 if tracker.emulated and req[0] == "cuda" and not req[1] and torch.is_autocast_enabled("cpu"):
                     inner = torch.autocast("cpu", enabled=False)
-                    enter(inner)
+                    _own(enter, inner)
                     a._pa_inner = inner
             return out
 
@@ -86,20 +166,25 @@ class UserAutocast:
                 if _ACTIVE is not None and _ACTIVE.stack:
                     _ACTIVE.stack.pop()
                 if a._pa_inner is not None:
-                    exit_(a._pa_inner, *exc)
+                    _own(exit_, a._pa_inner, *exc)
                     a._pa_inner = None
-            return exit_(a, *exc)
+            return _own(exit_, a, *exc)
 
         _Autocast.__init__ = patched_init  # type: ignore[method-assign]
         _Autocast.__enter__ = patched_enter  # type: ignore[method-assign]
         _Autocast.__exit__ = patched_exit  # type: ignore[method-assign]
         _ACTIVE = self
+        if self.emulated:
+            self._queries = CudaQueries().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         global _ACTIVE
         if self._saved is None:
             return
+        if self._queries is not None:
+            self._queries.__exit__(*exc)
+            self._queries = None
         _Autocast.__init__, _Autocast.__enter__, _Autocast.__exit__ = self._saved  # type: ignore[method-assign]
         self._saved = None
         _ACTIVE = None

@@ -113,8 +113,10 @@ def _audit_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for every pass (default: 0)")
     p.add_argument("--kernels", choices=("auto", "python", "compiled"), default="auto",
                    help="emulated mode's autocast kernels: compiled C++ ones are bit-identical and faster on small "
-                        "models, and must be built once with `precision-audit build-kernels`; auto uses them when "
-                        "built (default: auto)")
+                        "models; auto uses them, building them once at first use (one progress line; "
+                        "PRECISION_AUDIT_AUTO_BUILD=0 turns that off) and falling back to python with a one-line "
+                        "note when no compiler is there; compiled requires them built (`precision-audit "
+                        "build-kernels`) (default: auto)")
     p.add_argument("--budget", metavar="SPEC", default="",
                    help="error budget, e.g. loss=0.01,output=0.05, each key at most once (defaults: relative "
                         "loss change 0.01, output relative L2 error 0.05)")

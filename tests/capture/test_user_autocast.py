@@ -74,3 +74,119 @@ def test_torch_autocast_is_put_back_after_the_session():
             assert autocast.__enter__ is not before[1]
             raise RuntimeError("boom")
     assert (autocast.__init__, autocast.__enter__, autocast.__exit__) == before
+
+
+# -- the model's questions about CUDA autocast (capture/user_autocast.py, CudaQueries) ----------------------------
+
+class _CastNorm(torch.nn.LayerNorm):
+    """Nemotron's LayerNorm: casts its arguments to the autocast dtype when autocast is on, then normalises with
+    autocast off (so in that dtype). ``how`` is how it asks."""
+
+    def __init__(self, n: int, how: str) -> None:
+        super().__init__(n)
+        self.how = how
+
+    def forward(self, x):
+        dev = x.device.type
+        if self.how == "device":  # PyTorch's own answer for the device the tensors are on: the reference
+            on, dtype = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+        elif self.how == "bare":  # no argument: CUDA's state
+            on = torch.is_autocast_enabled()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dtype = torch.get_autocast_gpu_dtype()
+        else:
+            on, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        args = (x, self.weight + 1.0, self.bias)
+        if on:
+            args = torch.amp.autocast_mode._cast(args, dev, dtype)
+        with torch.autocast(dev, enabled=False):
+            return torch.nn.functional.layer_norm(args[0], self.normalized_shape, args[1], args[2], self.eps)
+
+
+def _fp32_matmul(device_type: str):
+    class MatmulFp32(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type=device_type, cast_inputs=torch.float32)
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w
+
+        @staticmethod
+        @torch.amp.custom_bwd(device_type=device_type)
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w.T, x.T @ g
+
+    return MatmulFp32
+
+
+class _Custom(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn, self.w = fn, torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        return self.fn.apply(x, self.w)
+
+
+class _Asks(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+        self.norm = _CastNorm(32, "device" if how == "custom_cpu" else how if how != "custom_cuda" else "cuda")
+        self.custom = _Custom(_fp32_matmul("cpu" if how in ("device", "custom_cpu") else "cuda"))
+
+    def forward(self, x):
+        return self.head(self.custom(self.norm(self.a(x))))
+
+
+def _asks_figures(how: str) -> dict:
+    torch.manual_seed(0)
+    model, x = _Asks(how), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), CaptureConfig(FORMATS)) as s:
+        s.reference_run()
+        for f in FORMATS:
+            s.format_run(f)
+        res = s.result()
+    return {r.name: {f.value: (fs.local.rel_l2 if fs.local else fs.local_note, fs.accumulated.rel_l2,
+                               sorted(fs.output_dtypes), fs.loss_impact)
+                     for f, fs in r.formats.items()} for r in res.layers}
+
+
+@pytest.mark.parametrize("how", ["bare", "cuda"])
+def test_cuda_autocast_queries_get_a_gpus_answers_in_emulated_passes(how):
+    """``torch.is_autocast_enabled()`` / ``("cuda")``, ``get_autocast_gpu_dtype`` / ``get_autocast_dtype("cuda")``
+    and ``custom_fwd(device_type="cuda", cast_inputs=torch.float32)``: the same figures as the code asking about
+    the tensors' own device, which PyTorch answers itself. Before, CUDA autocast read as off in every pass: the
+    norm normalised in FP32 (local error 0) and the custom matmul ran in low precision."""
+    got, ref = _asks_figures(how), _asks_figures("device")
+    assert got == ref
+    for f, low in (("fp16", "float16"), ("bf16", "bfloat16")):
+        assert got["norm"][f][2] == [low] and got["norm"][f][0] > 0  # cast and normalised in the format
+        assert got["custom"][f][2] == ["float32"] and got["custom"][f][0] == 0.0  # cast_inputs: FP32, autocast off
+
+
+def test_cuda_autocast_queries_are_put_back_with_cudas_state():
+    real = (torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype,
+            torch.amp.autocast_mode._cast)
+    state = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+
+    class SetsBack(torch.nn.Module):  # saves CUDA's answer and sets it back, as older AMP code does
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            prev, dtype = torch.is_autocast_enabled(), torch.get_autocast_dtype("cuda")
+            torch.set_autocast_enabled("cuda", prev)
+            torch.set_autocast_dtype("cuda", dtype)
+            return self.fc(x)
+
+    with CaptureSession(SetsBack(), lambda m: m(torch.randn(2, 4)), lambda y: y.sum(), CaptureConfig(FORMATS)) as s:
+        s.reference_run()
+        s.format_run(Format.BF16)
+        assert torch.is_autocast_enabled is not real[0]
+    assert (torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype,
+            torch.amp.autocast_mode._cast) == real
+    assert (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) == state
