@@ -238,6 +238,27 @@ def rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
             "which the emulation does not reproduce (they stay fp32 here); audit on a GPU for their numerics"]
 
 
+def noise_warning(noise: R.NoiseFloor | None, budget: dict[str, float]) -> list[str]:
+    """FP32 itself not reproducible within the budget: at the second reduction order (docs/plan.md, "Noise floor")
+    the FP32 loss or output moves by more than any format is allowed to. Every figure is then within FP32's own
+    noise, and the plan's verification agrees only because it runs at the same orders as the reference."""
+    over = noise.over_budget(budget) if noise is not None else []
+    if not over:
+        return []
+    assert noise is not None
+    limit = budget.get("max_output_rel_error", math.inf)
+    first = next((name or "(the model)" for name, v in noise.fp32_layers_rel_l2.items()
+                  if v is not None and (v > limit or math.isnan(v))), None)
+    where = f"; of the layers sampled, the first to move beyond the output budget is {first}" if first else ""
+    return [f"FP32 is not reproducible on this model and batch: at a second reduction order ({noise.method}) FP32 "
+            f"itself changes {' and '.join(over)}{where}. Every format's figures and the plan's verification are "
+            "within FP32's own noise here, so they cannot tell low precision apart from the order of summation, "
+            "and a plan that passes at these two orders need not pass on the GPU. Usually the sample batch is "
+            "degenerate for the model (BatchNorm over a few samples or positions, inputs unlike the training data) "
+            "or the model is unstable at its initialisation: audit a batch of training size, or a trained "
+            "checkpoint; or the budget (--budget) is tighter than FP32 itself reproduces"]
+
+
 def run_warnings(capture: CaptureResult, spec: Any, structures: list[str], mode: str) -> list[str]:
     """What the reader must know about how the numbers were obtained: emulation gaps, an inferred or surrogate
     loss (``spec``: the resolved LossSpec), changing output structures, passes that failed."""

@@ -475,6 +475,7 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
     assert loss is not None  # the reference pass resolved it, or the audit stopped
     alignment = rank_alignment({n: lp.alignment for n, lp in perf.layers.items()}, perf.step_time_s, target.name,
                                subject.batch.describe())
+    noise_floor = assemble.section(R.NoiseFloor, noise.to_dict() if noise is not None else None)
     return AuditRecord(
         schema=AUDIT_SCHEMA_ID, version=AUDIT_VERSION, tool=R.Tool(name="precision-audit", version=__version__),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -497,11 +498,12 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
         # the uniform FP16 pass's scale, and in "plan" the one re-derived for the modules the plan runs in FP16
         loss_scale=assemble.section(R.LossScale, analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None),
         layers=[assemble.layer_report(L, plan, perf.layers.get(L.name), label) for L in analysis.layers],
-        noise_floor=assemble.section(R.NoiseFloor, noise.to_dict() if noise is not None else None),
+        noise_floor=noise_floor,
         plan=assemble.plan_report(chosen, analysis),
         verdict=assemble.verdict(analysis, plan, setup.formats),
         warnings=assemble.run_warnings(capture, run.spec, run.structures, setup.mode) + capture.warnings
         + assemble.rnn_warning(model, setup.mode)
+        + assemble.noise_warning(noise_floor, opts.budget.to_dict())
         # FP32's own non-finite values: said once, and (analysis/findings.py) not held against any format
         + ([analysis.fp32_nonfinite.describe()] if analysis.fp32_nonfinite.any else []),
     )

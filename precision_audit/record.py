@@ -265,6 +265,17 @@ class NoiseFloor(Section):
     planner_impacts: str | None
     planner_impacts_wall_s: float | None
 
+    def over_budget(self, budget: dict[str, float]) -> list[str]:
+        """FP32's own change between the two reduction orders where it exceeds the error budget (``budget``:
+        audit.json's ``options.budget``), as phrases ("the loss by 7.15e-01 (budget 1.00e-02)"); [] when within."""
+        out = []
+        for what, value, key in (("the loss", self.fp32_loss_rel, "max_loss_rel_change"),
+                                 ("the output", self.fp32_output_rel_error, "max_output_rel_error")):
+            limit = budget.get(key)
+            if value is not None and limit is not None and (value > limit or math.isnan(value)):
+                out.append(f"{what} by {value:.2e} (budget {limit:.2e})")
+        return out
+
 
 # --- per-layer findings (analysis/findings.py + performance.py + the plan) ---------------------------------
 

@@ -173,6 +173,11 @@ def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
                  "  reference")
     if ref.nonfinite.note:  # FP32's own non-finite values: said here so that no format seems to be blamed for them
         lines.append(f"  note: {ref.nonfinite.note}")
+    over = r.noise_floor.over_budget(r.options.budget) if r.noise_floor is not None else []
+    if over:  # every figure below is within FP32's own noise (audit.json's warnings say more)
+        lines.append(f"  note: FP32 itself is not reproducible here: a second reduction order changes "
+                     f"{' and '.join(over)}; the figures below cannot tell low precision from summation order "
+                     "(see the warnings)")
     for f in r.formats:
         s = summary.formats[f]
         out = s.output.rel_l2 if s.output else None
