@@ -50,6 +50,15 @@ def _written_args(func: Any) -> tuple[tuple[int, str], ...]:
     return hit
 
 
+# what to do about the parameter writes real models make (the message's fix line)
+_WRITE_HINTS = {
+    "aten.embedding_renorm_.default":
+        "nn.Embedding(max_norm=...) rescales the rows it looks up in place at every forward; build it with "
+        "max_norm=None for the audit, after the rows are rescaled once if the weights should be those training "
+        "sees (the rescaling runs outside autocast: in FP32 in every format)",
+}
+
+
 class OpTracker(TorchDispatchMode):
     """Counts compute ops per innermost module during the reference forward (the session's call stack)."""
 
@@ -85,5 +94,5 @@ class OpTracker(TorchDispatchMode):
                     f"the model writes into its own parameters during the forward pass ({func}), so passes in "
                     "different formats would not start from the same weights",
                     found=f"in module '{where or '(model)'}'" if where is not None else None,
-                    hint="audit a model whose forward does not modify its parameters; the write was refused "
-                         "before it happened, so the model is unchanged")
+                    hint=_WRITE_HINTS.get(str(func), "audit a model whose forward does not modify its parameters")
+                    + "; the write was refused before it happened, so the model is unchanged")

@@ -218,7 +218,28 @@ def test_a_forward_writing_into_a_parameter_is_refused_before_the_write():
         with session(model, x, (Format.BF16,)) as s:
             s.reference_run()
     assert "'(model)'" in str(e.value.found)
+    assert "does not modify its parameters" in e.value.hint
     assert_same(before, model)
+
+
+class MaxNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(10, 4, max_norm=0.5), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+def test_an_embedding_with_max_norm_is_refused_with_its_own_fix():
+    model = MaxNorm()
+    ids = torch.tensor([[1, 2, 3]])
+    before = picture(model)
+    with pytest.raises(ModelRunError, match=r"embedding_renorm_") as e:
+        with session(model, ids, (Format.BF16,)) as s:
+            s.reference_run()
+    assert "'emb'" in str(e.value.found) and "max_norm=None" in e.value.hint
+    assert_same(before, model)  # the rows were not rescaled
 
 
 USER_PKG = textwrap.dedent("""
