@@ -19,7 +19,9 @@ Two things follow for the audit (docs/emulation.md, "The model's own autocast re
 :class:`UserAutocast` patches ``torch.autocast``'s ``__init__`` (to know the ``enabled`` the model asked for: on
 a CPU-only build ``torch.autocast("cuda")`` turns itself off), ``__enter__`` and ``__exit__`` while the session is
 open, and keeps the stack of regions on the audited device types. Regions that turn autocast *on* with their own
-dtype are tracked (they end an enclosing "off") but not emulated.
+dtype in the forward are tracked (they end an enclosing "off") but not emulated. One in a backward is emulated:
+``torch.amp.custom_bwd`` enters ``torch.autocast("cuda", enabled=True, dtype=...)`` to run a custom function's
+backward under the autocast its forward ran under, and the emulation turns CPU autocast on with that dtype.
 
 *Emulated*, the model's questions about CUDA autocast get a GPU's answers too (:class:`CudaQueries`). Code asks
 ``torch.is_autocast_enabled()`` (no argument: CUDA's) or ``torch.get_autocast_gpu_dtype()`` to cast its own
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -143,8 +146,13 @@ class UserAutocast:
         init, enter, exit_ = self._saved
 
         def patched_init(a, device_type, dtype=None, enabled=True, cache_enabled=None):
-            a._pa_requested = (device_type, bool(enabled))
-            _own(lambda: init(a, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+            a._pa_requested = (device_type, bool(enabled), dtype)
+            tracker = _ACTIVE
+            with warnings.catch_warnings():
+                if tracker is not None and tracker.emulated and device_type == "cuda":
+                    # "CUDA is not available ... Disabling autocast": the emulation stands in for it
+                    warnings.simplefilter("ignore", UserWarning)
+                _own(lambda: init(a, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
 
         def patched_enter(a):
             out = _own(enter, a)
@@ -154,8 +162,14 @@ class UserAutocast:
             if tracker is not None and req is not None and req[0] in tracker.devices:
                 a._pa_tracked = True
                 tracker.stack.append(req[1])
+                inner = None
                 if tracker.emulated and req[0] == "cuda" and not req[1] and torch.is_autocast_enabled("cpu"):
                     inner = torch.autocast("cpu", enabled=False)
+                elif tracker.emulated and req[0] == "cuda" and req[1] and torch._C._current_graph_task_id() != -1:
+                    # in a backward: custom_bwd restoring the autocast state its forward ran under
+                    dtype = req[2] if req[2] is not None else _own(torch.get_autocast_dtype, "cuda")
+                    inner = torch.autocast("cpu", dtype=dtype, cache_enabled=False)
+                if inner is not None:
                     _own(enter, inner)
                     a._pa_inner = inner
             return out

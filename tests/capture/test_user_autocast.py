@@ -190,3 +190,62 @@ def test_cuda_autocast_queries_are_put_back_with_cudas_state():
     assert (torch.is_autocast_enabled, torch.get_autocast_dtype, torch.get_autocast_gpu_dtype,
             torch.amp.autocast_mode._cast) == real
     assert (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")) == state
+
+
+# PyTorch's recipe for a custom function under autocast (torch.amp docs, "Autocast and Custom Autograd Functions"):
+# custom_fwd runs the forward under the caller's autocast state, custom_bwd runs the backward under the same state
+class _RecipeMM(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+class _MM(torch.nn.Module):
+    def __init__(self, recipe: bool) -> None:
+        super().__init__()
+        self.recipe, self.w = recipe, torch.nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x):
+        return _RecipeMM.apply(x, self.w) if self.recipe else x.mm(self.w)
+
+
+class _Recipe(torch.nn.Module):
+    def __init__(self, recipe: bool) -> None:
+        super().__init__()
+        self.a, self.mm, self.head = torch.nn.Linear(16, 32), _MM(recipe), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mm(self.a(x))))
+
+
+def _recipe_figures(recipe: bool) -> dict:
+    torch.manual_seed(0)
+    model, x = _Recipe(recipe), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "CUDA is not available ... Disabling autocast" either
+        with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), CaptureConfig(FORMATS)) as s:
+            s.reference_run()
+            runs = {f.value: s.format_run(f) for f in FORMATS}
+            res = s.result()
+    assert not any(r.error for r in runs.values()), {f: r.error for f, r in runs.items()}
+    return {"loss": {f: r.loss for f, r in runs.items()},
+            **{r.name: {f.value: (fs.local.rel_l2 if fs.local else fs.local_note, fs.accumulated.rel_l2,
+                                  sorted(fs.output_dtypes), fs.grad_output, fs.loss_impact)
+                        for f, fs in r.formats.items()} for r in res.layers}}
+
+
+def test_a_custom_function_on_pytorchs_autocast_recipe_runs_as_autograds_own_mm():
+    """custom_bwd's backward runs under the autocast its forward ran under: emulated, the backward's GEMMs are
+    the format's, as autograd's own backward of the same mm (the reference: no custom function). Before, the
+    backward ran with autocast off and raised on the fp16 gradient times the float32 weight."""
+    got, ref = _recipe_figures(True), _recipe_figures(False)
+    assert got == ref
+    assert got["a"]["bf16"][3].amax > 0  # dL/dy of the layer before it came through the custom backward
