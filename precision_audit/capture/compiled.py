@@ -18,9 +18,9 @@ retry it. ``precision-audit build-kernels`` is the explicit pre-build (it also r
 ``PRECISION_AUDIT_AUTO_BUILD=0`` turns the automatic build off (the test suite does: tests use the Python path
 unless they test the compiled one).
 
-The library goes into a cache folder named after the torch and Python versions and the source's hash, so a torch
-upgrade never loads a stale library. The cache folder is ``$PRECISION_AUDIT_KERNEL_DIR`` when set, else
-``$XDG_CACHE_HOME/precision-audit/kernels`` (``~/.cache/precision-audit/kernels``).
+The library goes into a cache folder named after the torch and Python versions and the hash of the source and the
+build flags, so a torch upgrade never loads a stale library. The cache folder is ``$PRECISION_AUDIT_KERNEL_DIR``
+when set, else ``$XDG_CACHE_HOME/precision-audit/kernels`` (``~/.cache/precision-audit/kernels``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from ..errors import AuditError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_emulation_kernels.cpp")
+# -fopenmp: at::parallel_for in the statistics kernels is ATen's OpenMP implementation, a `#pragma omp parallel`
+# that a build without it compiles to one thread. (The library then uses the libgomp torch has loaded.)
+BUILD_FLAGS = ("-O2", "-fopenmp")
 LIBRARY_NAME = "precision_audit_emu"
 KERNEL_CHOICES = ("auto", "python", "compiled")
 
@@ -57,7 +60,7 @@ def cache_root() -> Path:
 
 def build_dir() -> Path:
     """Where the library for this torch, Python and source lives."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr(BUILD_FLAGS).encode()).hexdigest()[:12]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return cache_root() / f"torch-{torch.__version__}-{py}-{digest}"
 
@@ -122,8 +125,18 @@ def build(verbose: bool = False) -> tuple[Path, float]:
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(work), is_python_module=False,
-                           extra_cflags=["-O2"], verbose=verbose)
+        try:
+            cpp_extension.load(LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(work),
+                               is_python_module=False, extra_cflags=list(BUILD_FLAGS), extra_ldflags=["-fopenmp"],
+                               verbose=verbose)
+        except Exception:  # a compiler without OpenMP (Apple's clang): the same kernels, one thread in the stats
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            cpp_extension.load(LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(work),
+                               is_python_module=False,
+                               extra_cflags=[f for f in BUILD_FLAGS if f != "-fopenmp"], verbose=verbose)
+            log.warning("the compiled kernels were built without OpenMP (the compiler has none): their statistics "
+                        "run on one thread")
     except Exception as e:  # the compiler's own message is the useful part
         shutil.rmtree(work, ignore_errors=True)
         raise AuditError(f"building the compiled kernels failed: {str(e).strip()[-2000:]}",

@@ -243,3 +243,36 @@ def test_auto_build_off_uses_python_without_trying(tmp_path, monkeypatch):
     monkeypatch.setattr(compiled, "_loaded", None)
     monkeypatch.setattr(compiled, "build", lambda verbose=False: pytest.fail("must not build"))
     assert compiled.resolve("auto") == "python"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the ELF library's dynamic symbols")
+def test_the_statistics_kernels_run_on_torchs_threads(fused):
+    """at::parallel_for in range_stats/error_sums is ATen's OpenMP version: without -fopenmp it compiles to one
+    thread (the statistics took as long at 2 threads as at 1). The library is built with OpenMP: it calls
+    GOMP_parallel, from the libgomp torch has loaded (no second OpenMP runtime in the process)."""
+    lib = compiled.library_path()
+    assert b"GOMP_parallel" in lib.read_bytes()
+    gomps = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line}
+    assert len(gomps) == 1 and "torch" in next(iter(gomps)), gomps
+
+
+def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path, monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "_loaded", None)
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    calls = []
+
+    def load(name, sources, build_directory, extra_cflags=(), extra_ldflags=(), **kw):
+        calls.append(list(extra_cflags) + list(extra_ldflags))
+        if "-fopenmp" in calls[-1]:
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+        (_Path(build_directory) / f"{compiled.LIBRARY_NAME}.so").write_bytes(b"")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with caplog.at_level(logging.WARNING, logger="precision_audit"):
+        path, _ = compiled.build()
+    assert calls == [["-O2", "-fopenmp", "-fopenmp"], ["-O2"]] and path.is_file()
+    assert "without OpenMP" in caplog.records[-1].getMessage()
+    monkeypatch.setattr(compiled, "_loaded", None)
