@@ -468,6 +468,45 @@ std::tuple<at::Tensor, at::Tensor> error_sums(const at::Tensor& ref_in, const at
   return {flags, sums};
 }
 
+// dot64: sum of a[i] * b[i] with each product in double (exact for float32 x float32/fp16/bf16 values) and double
+// accumulation, as (a.double() * b.double()).sum() computes it without its two float64 copies: four lanes per
+// chunk of 32768 elements, the chunks' partials added in chunk order (the same sum at any thread count; its last
+// bits may differ from torch's own reduction order). Non-finite products propagate as in the float64 expression.
+template <typename A, typename B>
+double dot_pass(const A* a, const B* b, int64_t numel) {
+  const int64_t grain = 1 << 15;
+  const int64_t chunks = std::max<int64_t>(1, (numel + grain - 1) / grain);
+  std::vector<double> part(chunks, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t lo = c * grain, hi = std::min(numel, lo + grain);
+      double s[4] = {0, 0, 0, 0};
+      for (int64_t i = lo; i < hi; ++i) s[i & 3] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+      part[c] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+  });
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) total += part[c];
+  return total;
+}
+
+double dot64(const at::Tensor& a_in, const at::Tensor& b_in) {
+  TORCH_CHECK(a_in.device().is_cpu() && b_in.device().is_cpu(), "dot64: CPU tensors only");
+  TORCH_CHECK(a_in.sizes() == b_in.sizes(), "dot64: shapes differ");
+  at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
+  if (a.scalar_type() != at::kFloat || !(b.scalar_type() == at::kFloat || b.scalar_type() == at::kHalf ||
+                                         b.scalar_type() == at::kBFloat16)) {
+    a = a.to(at::kDouble);
+    b = b.to(at::kDouble);
+    return dot_pass<double, double>(a.data_ptr<double>(), b.data_ptr<double>(), a.numel());
+  }
+  double out = 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.scalar_type(), "dot64", [&] {
+    out = dot_pass<float, scalar_t>(a.data_ptr<float>(), b.data_ptr<scalar_t>(), a.numel());
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(precision_audit_emu, m) {
@@ -477,4 +516,5 @@ TORCH_LIBRARY(precision_audit_emu, m) {
   m.def("drain() -> (Tensor[], int[], bool[])", &drain);
   m.def("range_stats(Tensor x, Tensor? edges) -> (Tensor, Tensor, float)", &range_stats);
   m.def("error_sums(Tensor ref, Tensor p) -> (Tensor, Tensor)", &error_sums);
+  m.def("dot64(Tensor a, Tensor b) -> float", &dot64);
 }

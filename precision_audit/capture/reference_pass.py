@@ -34,7 +34,7 @@ from .output_grads import autograd_nodes
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .session_state import RngState, SessionState
 from .shards import owned_part
-from .stats import ErrorStats, MagnitudeHistogram
+from .stats import ErrorStats, MagnitudeHistogram, dot64
 
 CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
                   "measured)")
@@ -386,7 +386,7 @@ class ReferencePass(SessionState):
             g = call.grads.get(i)
             if g is not None:
                 d = _diff_bf16(y, p.detach(), finite)
-                impacts.append(float((g.double() * d.double()).sum()))
+                impacts.append(dot64(g, d))
         return impacts
 
     def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0,
@@ -409,7 +409,7 @@ class ReferencePass(SessionState):
         if not self._impacts_only:  # the repeat at the second order: histograms are the first pass's records
             self._grad_histograms(rec, g, own)
         for f, d in (diffs or {}).items():
-            impact = float((g.detach().double() * self._refs.on(d, g).double()).sum())
+            impact = dot64(g, self._refs.on(d, g))
             fs = rec.formats[f]
             fs.loss_impact += impact
             fs.loss_impact_abs += abs(impact)

@@ -59,6 +59,16 @@ def _fused(*tensors: torch.Tensor):
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``sum(a * b)`` with float64 products and accumulation: ``float((a.double() * b.double()).sum())``, which the
+    fused pass computes in one read of each operand and no float64 copies (its last bits follow its own summation
+    order). The first-order loss impact <dL/dy, y_p - y> (docs/plan.md)."""
+    ops = _fused(a, b) if a.shape == b.shape else None
+    if ops is not None:
+        return float(ops.dot64(a.detach(), b.detach()))
+    return float((a.detach().double() * b.detach().double()).sum())
+
+
 def is_fused() -> bool:
     """Whether CPU statistics are computed by the fused pass now."""
     return FUSED and compiled._loaded is not None

@@ -276,3 +276,37 @@ def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path, monkeypatc
     assert calls == [["-O2", "-fopenmp", "-fopenmp"], ["-O2"]] and path.is_file()
     assert "without OpenMP" in caplog.records[-1].getMessage()
     monkeypatch.setattr(compiled, "_loaded", None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_dot64_is_the_float64_sum_of_exact_products(fused, dtype):
+    """The first-order loss impact <dL/dy, y_p - y> (dL/dy float32, the diff bf16): against math.fsum of the exact
+    products (the correctly rounded sum), within the error bound of a float64 summation; the same bits at 1 and 2
+    threads (chunk partials added in chunk order); several chunks and a non-contiguous operand."""
+    g = torch.Generator().manual_seed(5)
+    n = 100_003
+    a = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
+    b = (torch.randn(2 * n, generator=g) * 1e-3)[::2].to(dtype)
+    exact = math.fsum(x * y for x, y in zip(a.double().tolist(), b.double().tolist()))
+    bound = n * 2.0 ** -52 * math.fsum(abs(x * y) for x, y in zip(a.double().tolist(), b.double().tolist()))
+    got = stats.dot64(a, b)
+    assert abs(got - exact) <= bound
+    with python_statistics():
+        assert abs(stats.dot64(a, b) - exact) <= bound  # the torch expression it stands for
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = stats.dot64(a, b)
+    finally:
+        torch.set_num_threads(old)
+    assert one == got
+
+
+def test_dot64_propagates_non_finite_products_as_the_float64_expression(fused):
+    a = torch.tensor([1.0, 2.0, float("inf"), 3.0])
+    for b in (torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, 0.0, 0.0, 1.0]),
+              torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.tensor([1.0, -1.0, -1.0, 1.0])):
+        with python_statistics():
+            want = stats.dot64(a, b.bfloat16())
+        got = stats.dot64(a, b.bfloat16())
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (b, got, want)
