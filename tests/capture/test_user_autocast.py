@@ -40,9 +40,10 @@ class _Island(torch.nn.Module):
         return self.head(h)
 
 
-def _figures(how: str) -> dict:
+def _figures(how: str, model_class: type = _Island) -> dict:
+    """Every module's figures per format (local error, accumulated error, output dtypes, loss impact)."""
     torch.manual_seed(0)
-    model, x = _Island(how), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    model, x = model_class(how), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), CaptureConfig(FORMATS)) as s:
         s.reference_run()
         for f in FORMATS:
@@ -141,26 +142,13 @@ class _Asks(torch.nn.Module):
         return self.head(self.custom(self.norm(self.a(x))))
 
 
-def _asks_figures(how: str) -> dict:
-    torch.manual_seed(0)
-    model, x = _Asks(how), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), CaptureConfig(FORMATS)) as s:
-        s.reference_run()
-        for f in FORMATS:
-            s.format_run(f)
-        res = s.result()
-    return {r.name: {f.value: (fs.local.rel_l2 if fs.local else fs.local_note, fs.accumulated.rel_l2,
-                               sorted(fs.output_dtypes), fs.loss_impact)
-                     for f, fs in r.formats.items()} for r in res.layers}
-
-
 @pytest.mark.parametrize("how", ["bare", "cuda"])
 def test_cuda_autocast_queries_get_a_gpus_answers_in_emulated_passes(how):
     """``torch.is_autocast_enabled()`` / ``("cuda")``, ``get_autocast_gpu_dtype`` / ``get_autocast_dtype("cuda")``
     and ``custom_fwd(device_type="cuda", cast_inputs=torch.float32)``: the same figures as the code asking about
     the tensors' own device, which PyTorch answers itself. Before, CUDA autocast read as off in every pass: the
     norm normalised in FP32 (local error 0) and the custom matmul ran in low precision."""
-    got, ref = _asks_figures(how), _asks_figures("device")
+    got, ref = _figures(how, _Asks), _figures("device", _Asks)
     assert got == ref
     for f, low in (("fp16", "float16"), ("bf16", "bfloat16")):
         assert got["norm"][f][2] == [low] and got["norm"][f][0] > 0  # cast and normalised in the format
