@@ -238,6 +238,22 @@ def rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
             "which the emulation does not reproduce (they stay fp32 here); audit on a GPU for their numerics"]
 
 
+def unlowered_warning(capture: CaptureResult) -> list[str]:
+    """GEMMs CUDA autocast does not lower (torch._grouped_mm, the experts of a mixture of experts): under fp16/bf16
+    autocast they run in FP32, which the per-layer notes say and the step-time estimates price."""
+    names = [r.name or "(model)" for r in capture.layers if any(not g.lowered for g, _ in r.ops.gemms.values())]
+    if not names:
+        return []
+    ops = sorted({g.op for r in capture.layers for g, _ in r.ops.gemms.values() if not g.lowered})
+    flops = sum(g.flops * c for r in capture.layers for g, c in r.ops.gemms.values() if not g.lowered)
+    total = sum(g.flops * c for r in capture.layers for g, c in r.ops.gemms.values()) or 1
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return [f"{100 * flops / total:.0f}% of the model's GEMM FLOPs ({', '.join(ops)} in {shown}) are in no CUDA "
+            "autocast list: under fp16/bf16 autocast they run at their inputs' dtype (FP32 here) with no Tensor "
+            "Core speed-up, which the step-time estimates price; casting their inputs and weights to bf16 in the "
+            "model is what would run them in low precision"]
+
+
 def noise_warning(noise: R.NoiseFloor | None, budget: dict[str, float]) -> list[str]:
     """FP32 itself not reproducible within the budget: at the second reduction order (docs/plan.md, "Noise floor")
     the FP32 loss or output moves by more than any format is allowed to. Every figure is then within FP32's own

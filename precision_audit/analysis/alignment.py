@@ -73,7 +73,7 @@ def padded(g: GemmOp, fmt: Format) -> GemmOp:
     m, n, k = (round_up(v, req) if v > 1 else v for v in (g.m, g.n, g.k))
     flops = int(g.flops * (m * n * k) / max(1, g.m * g.n * g.k))
     dims = tuple((d, name, round_up(s, req) if s > 1 else s) for d, name, s in g.dims)
-    return GemmOp(g.op, g.kind, m, n, k, g.batch, flops, dims, g.note)
+    return GemmOp(g.op, g.kind, m, n, k, g.batch, flops, dims, g.note, lowered=g.lowered)
 
 
 def is_aligned(g: GemmOp, fmt: Format) -> bool:
@@ -140,7 +140,7 @@ def pad_only(g: GemmOp, fmt: Format, which: set[str] | frozenset[str]) -> GemmOp
                 k = round_up(k, req)
         dims.append((d, name, new))
     flops = int(g.flops * (m * n * k) / max(1, g.m * g.n * g.k))
-    return GemmOp(g.op, g.kind, m, n, k, g.batch, flops, tuple(dims), g.note)
+    return GemmOp(g.op, g.kind, m, n, k, g.batch, flops, tuple(dims), g.note, lowered=g.lowered)
 
 
 def tied_modules(model) -> dict[str, list[str]]:

@@ -82,7 +82,10 @@ def _raw_gemm_time(g: GemmOp, fmt: Format, target: GpuSpec) -> float:
 
 
 def gemm_time(g: GemmOp, fmt: Format, target: GpuSpec) -> float:
-    """Estimated forward time of one GEMM-family op in ``fmt`` on ``target`` (seconds)."""
+    """Estimated forward time of one GEMM-family op in ``fmt`` on ``target`` (seconds). One that autocast does not
+    lower (``g.lowered`` False) runs in FP32 under fp16/bf16 autocast, and is priced so."""
+    if not g.lowered and fmt in (Format.FP16, Format.BF16):
+        fmt = Format.FP32
     t = _raw_gemm_time(g, fmt, target)
     if fmt in (Format.FP32,) or is_aligned(g, fmt):
         return t

@@ -239,6 +239,9 @@ def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFi
         fp32_param_nonfinite=r.grad_param.nonfinite,
     )
     notes = list(r.notes)
+    for note in sorted({g.note for g, _ in r.ops.gemms.values() if not g.lowered and g.note}):
+        calls = sum(c for g, c in r.ops.gemms.values() if g.note == note)
+        notes.append(f"{calls} GEMM call(s): {note}; the step-time estimates price them in FP32")
     for f, e in errors.items():
         if e.unmatched_calls:
             notes.append(f"{e.unmatched_calls} call(s) in the {f} run had no FP32 counterpart (control flow differed)")

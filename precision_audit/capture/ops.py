@@ -35,6 +35,9 @@ class GemmOp:
     note: str | None = None
     # convolutions: the call itself, so that a GPU benchmark times a convolution of this shape (not a matmul)
     conv: ConvSpec | None = None
+    # whether CUDA autocast lowers it to fp16/bf16; one it does not (torch._grouped_mm) runs at its inputs' dtype
+    # under autocast, and the cost model prices it so (analysis/cost.py)
+    lowered: bool = True
 
     def key(self) -> tuple:
         return (self.op, self.kind, self.m, self.n, self.k, self.batch)
@@ -118,6 +121,31 @@ def _sdpa_cpu(args, kwargs, out) -> GemmOp:
                   (("E", "head dimension", e),))
 
 
+def _grouped_mm(args, kwargs, out) -> GemmOp:
+    """torch._grouped_mm: G GEMMs in one kernel (the experts of a mixture of experts; transformers' "grouped_mm"
+    experts). Its groups split the rows (2-D x 3-D: out [sum M_g, N]), the columns (3-D x 2-D), the reduction
+    (2-D x 2-D: out [G, M, N], sum K_g = K) or nothing (3-D x 3-D: out [G, M, N]). It is in no CUDA autocast list
+    of the installed torch's table (capture/autocast_policy.py), so under fp16/bf16 autocast it runs at its
+    inputs' dtype."""
+    from .autocast_policy import CUDA_POLICY, CastPolicy
+
+    a, b = args[0], args[1]
+    k = a.shape[-1]
+    if a.dim() == 2 and b.dim() == 2:
+        groups, m, n = out.shape
+        flops, batch, k = 2 * m * n * k, groups, max(1, k // groups)
+    else:
+        batch = out.shape[0] if out.dim() == 3 else 1
+        m, n = out.shape[-2], out.shape[-1]
+        flops = 2 * out.numel() * k
+    lowered = CUDA_POLICY.get("_grouped_mm") is CastPolicy.LOWER_PRECISION_FP
+    note = None if lowered else (
+        "torch._grouped_mm is in no CUDA autocast list: under fp16/bf16 autocast it runs at its inputs' dtype "
+        f"({str(a.dtype).removeprefix('torch.')} here), so it gets no fp16/bf16 Tensor Core speed-up")
+    return GemmOp("_grouped_mm", "grouped_matmul", m, n, k, batch, flops, _gemm_dims(m, n, k), note,
+                  lowered=lowered)
+
+
 # aten op -> how to read its GEMM dimensions (registering twice is an error, as in flop_counter).
 GEMM_REGISTRY: dict[Any, Callable[[tuple, dict, Any], GemmOp]] = {}
 
@@ -145,6 +173,8 @@ if hasattr(_aten, "_scaled_dot_product_efficient_attention"):
     register_gemm(_aten._scaled_dot_product_efficient_attention.default, _sdpa_cpu)
 if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
     register_gemm(_aten._scaled_dot_product_cudnn_attention.default, _sdpa_cpu)
+if hasattr(_aten, "_grouped_mm"):
+    register_gemm(_aten._grouped_mm.default, _grouped_mm)
 
 
 @dataclass
