@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import host_rng
 from .errors import SEED_MAX, SEED_MIN, OptionError
 from .policy.schema import Policy, named_modules
 from .record import VerifyResult
@@ -90,16 +91,16 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     errors: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         # every GPU's generator is put back, not just the one the arms run on (a model may draw on another)
+        stack.enter_context(host_rng.fork())
         stack.enter_context(torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if mode == "cuda"
                                                   else []))
         if mode != "cuda":
             stack.enter_context(CudaAutocastPolicy(resolve_kernels("auto")))
-            # the model's own "cuda" autocast regions and CUDA autocast queries, as the audit's passes run them
-            # (docs/emulation.md, "The model's own autocast regions")
-            stack.enter_context(UserAutocast(emulated=True))
+            stack.enter_context(UserAutocast(emulated=True))  # the model's own CUDA autocast code (docs/emulation.md)
         for arm, dtype in arms:
             say(f"verify: {opts.steps} training steps under {arm}")
             torch.manual_seed(opts.seed)
+            host_rng.seed(opts.seed)  # np.random / random in the forward: every arm draws the same
             m = copy.deepcopy(model).to(device)
             opt = _optimizer(opts, [p for p in m.parameters() if p.requires_grad])
             losses: list[float | None] = []

@@ -26,7 +26,8 @@ class ModelState:
     - references to the existing ``.grad`` tensors (not copies; ``None`` stays ``None``), ``requires_grad`` per
       parameter, ``.training`` per module, each module's attributes (rebound ones are put back, added ones
       removed) and the contents of its hook dictionaries;
-    - the RNG states are forked by the session itself (CPU and every CUDA device).
+    - the RNG states are forked by the session itself (CPU and every CUDA device, Python's and NumPy's global
+      generators: precision_audit/host_rng.py).
     """
 
     def __init__(self, model: torch.nn.Module, device: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import host_rng
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
 from .emulation import rounding_registry_paused
@@ -459,7 +460,7 @@ def _keep_grad(call: BatchCall, slot: int):
 
 
 def _same_rng(a: RngState, b: RngState) -> bool:
-    if not torch.equal(a[0], b[0]):
+    if not torch.equal(a[0], b[0]) or not host_rng.same(a[2], b[2]):
         return False
     return a[1] is None and b[1] is None or (a[1] is not None and b[1] is not None and torch.equal(a[1], b[1]))
 

@@ -36,6 +36,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import host_rng
 from ..errors import AuditError, ModelLoadError, ModelRunError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..outputs import _NoInterrupt
@@ -54,6 +55,7 @@ from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
 from .reference_store import ReferenceStore
 from .rng_replay import RandomDraws, recording, replaying
+from .session_state import RngState
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
 from .user_autocast import UserAutocast
@@ -196,6 +198,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             cuda = self.config.mode == "cuda" or (torch.cuda.is_available() and torch.cuda.is_initialized())
             devices = list(range(torch.cuda.device_count())) if cuda else []
             es.enter_context(torch.random.fork_rng(devices=devices))
+            es.enter_context(host_rng.fork())
             self._prepared = True
             self._state.prepare()
             self._param_versions = [p._version for p in self.model.parameters()]
@@ -262,6 +265,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         torch.manual_seed(self.config.seed)
         if self.config.mode == "cuda":
             torch.cuda.manual_seed_all(self.config.seed)
+        host_rng.seed(self.config.seed)  # np.random / random in the model's forward draw alike in every pass
         self._stack.clear()
         self._own_ops.clear()
         self._own_work.clear()
@@ -271,14 +275,15 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._producers.clear()
         self._loss_ref = None
 
-    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _rng_state(self) -> RngState:
         cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
-        return torch.get_rng_state(), cuda
+        return torch.get_rng_state(), cuda, host_rng.state()
 
-    def _set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    def _set_rng_state(self, state: RngState) -> None:
         torch.set_rng_state(state[0])
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], self.config.device)
+        host_rng.set_state(state[2])
 
     @contextlib.contextmanager
     def _autocast(self, fmt: Format) -> Iterator[None]:

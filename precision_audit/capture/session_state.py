@@ -16,13 +16,15 @@ from typing import Any
 import torch
 
 from ..formats import Format
+from ..host_rng import HostRng
 from .output_grads import OutputGradHooks
 from .records import LayerRecord, RunRecord
 from .reference_store import ReferenceStore
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .user_autocast import UserAutocast
 
-RngState = tuple[torch.Tensor, torch.Tensor | None]
+# torch's CPU generator, the device's CUDA generator (cuda mode), Python's and NumPy's (precision_audit/host_rng.py)
+RngState = tuple[torch.Tensor, torch.Tensor | None, HostRng]
 
 
 class SessionState:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .. import host_rng
 from ..gpus import GpuSpec
 from .cost import ASSUMPTIONS, torchao_auto_filter
 from .measure import measure_fp8, result_dict
@@ -35,6 +36,15 @@ def fp8_stage(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
     """Measure, price and plan; returns (audit.json's ``fp8`` section, the policy's FP8 plan).
     ``tokens_per_step`` (``--tokens-per-step``): the rows per training step each linear is priced at; None: the
     audited batch's."""
+    # the stage reseeds the generators for every measurement: the user's are put back after
+    with torch.random.fork_rng(devices=[]), host_rng.fork():
+        return _fp8_stage(model, forward, loss_of, target, budget, device=device, seed=seed, say=say,
+                          tokens_per_step=tokens_per_step)
+
+
+def _fp8_stage(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
+               loss_of: Callable[[Any], torch.Tensor], target: GpuSpec, budget: Any, *, device: str,
+               seed: int, say: Callable[[str], None], tokens_per_step: int | None) -> tuple[dict, Fp8Plan]:
     say(f"FP8: measuring {len(DEFAULT_RECIPES)} recipes on every linear layer (docs/fp8.md)")
     result = measure_fp8(model, forward, loss_of, DEFAULT_RECIPES, device=device, seed=seed)
     local_budget = budget.max_output_rel_error

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .. import host_rng
 from ..capture.records import float_tensors
 from ..capture.runner import ModelState
 from ..capture.stats import ErrorStats
@@ -135,6 +136,7 @@ def _reset(model: torch.nn.Module, state: ModelState, seed: int) -> None:
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
+    host_rng.seed(seed)  # np.random / random in the forward: the same draws in every measurement
 
 
 def _history_note(history_steps: int) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import host_rng
 from ..capture.stats import ErrorStats
 from ..gpus import GpuSpec
 from ..policy.schema import named_modules
@@ -162,6 +163,7 @@ def make_verifier(model: torch.nn.Module, forward: Callable[[torch.nn.Module], A
         state.prepare()
         try:
             torch.manual_seed(seed)
+            host_rng.seed(seed)
             with torch.no_grad(), patched({mods[n]: Fp8State(RECIPES[r]) for n, r in modules.items()}):
                 out = forward(model)
                 loss = float(loss_of(out))

@@ -14,6 +14,8 @@ from typing import Any, cast
 
 import torch
 
+from .. import host_rng
+
 OUTSIDE_THE_MODEL = "(outside the model)"
 
 
@@ -261,15 +263,18 @@ def _versions(x: Any, out: list) -> list:
 
 
 def _rng_state() -> tuple:
+    """torch's generators and Python's and NumPy's global ones (a forward may draw masks from ``np.random``, as
+    wav2vec2's does): the replay draws what the step drew."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
+    return torch.get_rng_state(), cuda, host_rng.state()
 
 
 def _set_rng_state(state: tuple) -> None:
-    cpu, cuda = state
+    cpu, cuda, host = state
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
+    host_rng.set_state(host)
 
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")

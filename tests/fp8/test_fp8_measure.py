@@ -156,3 +156,25 @@ def test_patched_restores_forward_after_an_error():
             assert "forward" in lin.__dict__
             raise RuntimeError("boom")
     assert "forward" not in lin.__dict__
+
+
+def test_the_fp8_stage_puts_the_callers_generators_back():
+    """The stage reseeds torch's, Python's and NumPy's generators for every measurement (so that a forward that
+    draws masks draws the same in each); a caller of the Python API finds them as they were."""
+    import random
+
+    import numpy as np
+
+    from precision_audit.analysis.findings import Budget
+    from precision_audit.fp8.audit import fp8_stage
+    from precision_audit.gpus import resolve_target
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 16))
+    x = torch.randn(16, 32)
+    torch.manual_seed(7)
+    random.seed(8)
+    np.random.seed(9)
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    fp8_stage(model, lambda m: m(x), lambda y: y.pow(2).mean(), resolve_target("h100"), Budget())
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1] and np.array_equal(np.random.get_state()[1], before[2])

@@ -358,3 +358,40 @@ def test_the_hooks_compile_without_graph_breaks_and_still_name_the_source():
     assert records[2].sources == ("b",) and "finite inputs" in records[2].source_detail
     assert all(torch.isfinite(p).all() for p in model.parameters())
     ctl.close()
+
+
+def test_a_step_whose_forward_draws_from_numpy_is_replayed_with_the_same_draws():
+    """The source is found by replaying the bad step's forward (docs/performance.md, "The runtime"). A forward
+    that draws from NumPy's global generator (wav2vec2's SpecAugment masks) draws the same again in the replay:
+    here the draw decides whether "coin" overflows, with a seed whose next draw would not."""
+    import numpy as np
+
+    class Coin(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 1e39 if np.random.rand() < 0.5 else y
+
+    class Net2(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.coin, self.out = nn.Linear(8, 8), Coin(), nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.out(self.coin(torch.relu(self.a(x))))
+
+    seed = next(s for s in range(1000) if (np.random.seed(s) or True) and np.random.rand() < 0.5
+                and np.random.rand() >= 0.5)
+    torch.manual_seed(0)
+    model = Net2()
+    policy = make_policy(model, "bf16", False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctl = pa.controller(model, opt, policy, device="cpu")
+    np.random.seed(seed)
+    with pa.autocast(policy, "cpu"):
+        rec = ctl.step(model(torch.randn(4, 8)).float().pow(2).mean())
+    assert rec.skipped and rec.sources == ("coin",), (rec.sources, rec.source_detail)
+    ctl.close()
