@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +122,9 @@ class DistributedCaptureSession(CaptureSession):
         self._impact_log: list[tuple[Any, Format, float]] = []
         # module outputs that are the same tensor on every rank (computed from no sample: a position embedding's
         # output): counted once (rank 0) and their gradients summed over ranks, see _replicated()
-        self._same_everywhere: dict[tuple, bool] = {}
+        # key -> (the tensor, weakly, and the answer): a hit must be the very tensor, on every rank alike (a freed
+        # tensor's id and address reused on one rank only would skip this collective there: a deadlock)
+        self._same_everywhere: dict[tuple, tuple[weakref.ref, bool]] = {}
         self._pending_flags: list[str] = []
         self._rank = dist.get_rank(group)
         self._format_depth = 0
@@ -169,8 +172,8 @@ class DistributedCaptureSession(CaptureSession):
         output is zero for every sample). A collective: called at the same point of every rank's pass."""
         key = self._tensor_key(t)
         hit = self._same_everywhere.get(key)
-        if hit is not None:
-            return hit
+        if hit is not None and hit[0]() is t:
+            return hit[1]
         x = t.detach().reshape(-1).to(torch.float64)
         finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
         idx = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
@@ -181,7 +184,7 @@ class DistributedCaptureSession(CaptureSession):
         dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
         same = bool(torch.equal(lo, hi)) and bool(hi[2] > 0)
-        self._same_everywhere[key] = same
+        self._same_everywhere[key] = (weakref.ref(t), same)
         return same
 
     def _reset(self) -> None:
