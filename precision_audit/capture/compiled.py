@@ -124,17 +124,17 @@ def build(verbose: bool = False) -> tuple[Path, float]:
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     t0 = time.perf_counter()
+    def compile_with(cflags: list[str], ldflags: list[str]) -> None:
+        cpp_extension.load(LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(work), is_python_module=False,
+                           extra_cflags=cflags, extra_ldflags=ldflags, verbose=verbose)
+
     try:
         try:
-            cpp_extension.load(LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(work),
-                               is_python_module=False, extra_cflags=list(BUILD_FLAGS), extra_ldflags=["-fopenmp"],
-                               verbose=verbose)
+            compile_with(list(BUILD_FLAGS), ["-fopenmp"])
         except Exception:  # a compiler without OpenMP (Apple's clang): the same kernels, one thread in the stats
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir()
-            cpp_extension.load(LIBRARY_NAME, sources=[str(SOURCE)], build_directory=str(work),
-                               is_python_module=False,
-                               extra_cflags=[f for f in BUILD_FLAGS if f != "-fopenmp"], verbose=verbose)
+            compile_with([f for f in BUILD_FLAGS if f != "-fopenmp"], [])
             log.warning("the compiled kernels were built without OpenMP (the compiler has none): their statistics "
                         "run on one thread")
     except Exception as e:  # the compiler's own message is the useful part

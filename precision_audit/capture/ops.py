@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
+from .autocast_policy import CUDA_POLICY, CastPolicy
+
 _aten = torch.ops.aten
 
 
@@ -121,14 +123,15 @@ def _sdpa_cpu(args, kwargs, out) -> GemmOp:
                   (("E", "head dimension", e),))
 
 
+_GROUPED_MM_LOWERED = CUDA_POLICY.get("_grouped_mm") is CastPolicy.LOWER_PRECISION_FP
+
+
 def _grouped_mm(args, kwargs, out) -> GemmOp:
     """torch._grouped_mm: G GEMMs in one kernel (the experts of a mixture of experts; transformers' "grouped_mm"
     experts). Its groups split the rows (2-D x 3-D: out [sum M_g, N]), the columns (3-D x 2-D), the reduction
     (2-D x 2-D: out [G, M, N], sum K_g = K) or nothing (3-D x 3-D: out [G, M, N]). It is in no CUDA autocast list
     of the installed torch's table (capture/autocast_policy.py), so under fp16/bf16 autocast it runs at its
     inputs' dtype."""
-    from .autocast_policy import CUDA_POLICY, CastPolicy
-
     a, b = args[0], args[1]
     k = a.shape[-1]
     if a.dim() == 2 and b.dim() == 2:
@@ -138,7 +141,7 @@ def _grouped_mm(args, kwargs, out) -> GemmOp:
         batch = out.shape[0] if out.dim() == 3 else 1
         m, n = out.shape[-2], out.shape[-1]
         flops = 2 * out.numel() * k
-    lowered = CUDA_POLICY.get("_grouped_mm") is CastPolicy.LOWER_PRECISION_FP
+    lowered = _GROUPED_MM_LOWERED
     note = None if lowered else (
         "torch._grouped_mm is in no CUDA autocast list: under fp16/bf16 autocast it runs at its inputs' dtype "
         f"({str(a.dtype).removeprefix('torch.')} here), so it gets no fp16/bf16 Tensor Core speed-up")
