@@ -25,6 +25,7 @@ from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, batch_call_note
+from .reference_store import Kept
 from .session_state import SessionState
 from .shards import owned_part
 from .stats import ErrorStats
@@ -170,7 +171,7 @@ class FormatPasses(SessionState):
             fs.accumulated.merge(self._error_of(r, y))
 
     def _measure_batch_call(self, m, fs: FormatLayerStats, fmt: Format, call: BatchCall,
-                            refs: list[torch.Tensor] | None, args, kwargs, pre, ys) -> None:
+                            refs: list[Kept] | None, args, kwargs, pre, ys) -> None:
         """The local error and the loss impact of a call on the batch, from this pass's output of it."""
         ps = self._batch_call_output(m, fmt, call, refs, args, kwargs, pre, ys)
         if isinstance(ps, str):

@@ -33,6 +33,7 @@ from .gemm_mode import is_missing_low_precision_kernel
 from .model_state import module_attributes, put_attributes_back
 from .output_grads import autograd_nodes
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
+from .reference_store import Kept
 from .session_state import RngState, SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram, dot64
@@ -101,7 +102,7 @@ class BatchCall:
     kwargs: dict
     versions: list[int]  # of the tensor arguments, in _tensors_in order: an in-place change disqualifies
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output slot -> dL/dy of the FP32 backward
-    refs: list[torch.Tensor] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
+    refs: list[Kept] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
     autocast_off: bool = False  # inside the model's own autocast(enabled=False) region
     attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)  # before the call
 
@@ -282,15 +283,15 @@ class ReferencePass(SessionState):
             if fs.local is None:
                 fs.local_note = batch_call_note(fmt)
         if self._impacts_only:
-            call.refs = [y.detach().clone() for y in ys]
+            call.refs = [self._refs.keep(y) for y in ys]
         for i, y in enumerate(ys):
             if y.requires_grad:
                 self._out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
 
-    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[torch.Tensor]]:
+    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
-        diffs: dict[Format, list[torch.Tensor]] = {}
+        diffs: dict[Format, list[Kept]] = {}
         pre_rng, snapshot, draw_start = pre.rng, pre.snapshot, pre.draw_start
         self._rerunning = True
         now = self._rng_state()
@@ -343,7 +344,7 @@ class ReferencePass(SessionState):
             self._rerunning = False
         return diffs
 
-    def _batch_call_output(self, m, fmt: Format, call: BatchCall, refs: list[torch.Tensor] | None, args, kwargs,
+    def _batch_call_output(self, m, fmt: Format, call: BatchCall, refs: list[Kept] | None, args, kwargs,
                            pre: RngState | None, ys: list[torch.Tensor]) -> list[torch.Tensor] | str:
         """The outputs of ``call`` in ``fmt``, matching the FP32 outputs ``refs``: the format pass's own ``ys`` when
         this call got the same tensors and random state as the FP32 one (else a re-run on the FP32 call's
@@ -372,7 +373,7 @@ class ReferencePass(SessionState):
             return "not measured: the re-run returned outputs of another structure"
         return ps
 
-    def _batch_call_impacts(self, call: BatchCall, refs: list[torch.Tensor], ps: list[torch.Tensor],
+    def _batch_call_impacts(self, call: BatchCall, refs: list[Kept], ps: list[torch.Tensor],
                            local: ErrorStats | None) -> list[float]:
         """The first-order loss impact <dL/dy, y_p - y> of each output with an FP32 gradient, as the re-run's
         would be (same bf16 difference, same product); ``local``: also merge the outputs into this local error."""
@@ -404,7 +405,7 @@ class ReferencePass(SessionState):
             buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}
             return torch.func.functional_call(m, buffers, args, kwargs, strict=False)
 
-    def _reference_grad(self, rec: LayerRecord, g: torch.Tensor, diffs: dict[Format, torch.Tensor] | None,
+    def _reference_grad(self, rec: LayerRecord, g: torch.Tensor, diffs: dict[Format, Kept] | None,
                         own: tuple[int, Any] | None) -> None:
         """dL/dy of one output in the FP32 backward: its histogram, and each format's first-order loss impact."""
         if not self._impacts_only:  # the repeat at the second order: histograms are the first pass's records

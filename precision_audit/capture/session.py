@@ -53,7 +53,7 @@ from .op_tracker import OpTracker
 from .output_grads import OutputGradHooks
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
-from .reference_store import ReferenceStore
+from .reference_store import Kept, ReferenceStore, release_free_heap
 from .rng_replay import RandomDraws, recording, replaying
 from .session_state import RngState
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
@@ -170,11 +170,11 @@ class CaptureSession(ReferencePass, FormatPasses):
         # tracker: the repeat at the second order runs the same ops and reads them from here, untracked
         self._call_ops: dict[tuple[int, int], tuple[int, int]] = {}
         self._call_index: dict[int, int] = {}
-        self._ref_outputs: dict[int, list[list[torch.Tensor]]] = {}
-        self._clone_cache: dict[int, tuple[int, torch.Tensor]] = {}
-        # the reference's kept tensors: on the host when the audit runs on a GPU (capture/reference_store.py)
+        self._ref_outputs: dict[int, list[list[Kept]]] = {}
+        self._clone_cache: dict[int, tuple[int, Kept]] = {}
+        # the reference's kept tensors: on the host on a GPU, in a temporary file on a CPU (reference_store.py)
         self._refs = ReferenceStore(config.device)
-        self._stat_cache: dict[tuple, tuple[torch.Tensor, Any]] = {}  # per pass; holds the tensors it keys
+        self._stat_cache: dict[tuple, tuple[Kept, Any]] = {}  # per pass; holds the tensors it keys
         self._loss_scale = 1.0
         # reference pass: which module produced each output tensor (by identity and version), and the loss
         # tensor, so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
@@ -243,6 +243,7 @@ class CaptureSession(ReferencePass, FormatPasses):
                 self._producers.clear()
                 self._draws.clear()
                 self._call_ops.clear()
+                self._refs.close()
             finally:
                 try:
                     if self._prepared:
@@ -274,6 +275,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._stat_cache.clear()
         self._producers.clear()
         self._loss_ref = None
+        release_free_heap()  # the last pass's freed activations, back to the system (capture/reference_store.py)
 
     def _rng_state(self) -> RngState:
         cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
@@ -378,10 +380,10 @@ class CaptureSession(ReferencePass, FormatPasses):
     # A module's output is often its parent's too (a Sequential returns its last child's output): statistics of
     # one tensor are computed once per pass and merged into every record that sees it.
     @staticmethod
-    def _tensor_key(t: torch.Tensor) -> tuple:
+    def _tensor_key(t: Kept) -> tuple:
         return (id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype)
 
-    def _cached(self, kind: str, tensors: tuple[torch.Tensor, ...], make: Callable[[], Any],
+    def _cached(self, kind: str, tensors: tuple[Kept, ...], make: Callable[[], Any],
                 operands: Callable[[], tuple[torch.Tensor, ...]] | None = None) -> Any:
         """``make()``'s statistics object for these tensors, computed once per pass (from ``operands()`` when
         given: the same values, where the statistic reads them)."""
@@ -399,11 +401,11 @@ class CaptureSession(ReferencePass, FormatPasses):
     def _summary_of(self, t: torch.Tensor) -> RangeSummary:
         return self._cached("sum", (t,), RangeSummary)
 
-    def _error_of(self, r: torch.Tensor, y: torch.Tensor) -> ErrorStats:
+    def _error_of(self, r: Kept, y: torch.Tensor) -> ErrorStats:
         # r, the reference's output, may be on the host (capture/reference_store.py): compared on y's device
         return self._cached("err", (r, y), ErrorStats, lambda: (self._refs.on(r, y), y))
 
-    def _clone_ref(self, t: torch.Tensor) -> torch.Tensor:
+    def _clone_ref(self, t: torch.Tensor) -> Kept:
         hit = self._clone_cache.get(id(t))
         if hit is not None and hit[0] == t._version and hit[1].shape == t.shape:
             return hit[1]
@@ -456,7 +458,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             self._post_batch_only(m, args, kwargs, pre_rng, ys)
             return
         rec = self._layer(m)
-        diffs: dict[Format, list[torch.Tensor]] = {}
+        diffs: dict[Format, list[Kept]] = {}
         if self._phase == "ref":
             diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
         else:
@@ -503,7 +505,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             raise RunFailure(e, where) from e
         return out, loss
 
-    def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, torch.Tensor] | None = None,
+    def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, Kept] | None = None,
                    own: tuple[int, Any] | None = None):
         """``own``: (slot, weak reference to the tensor) when ``rec`` produced it (reference pass)."""
         phase = self._phase
@@ -557,7 +559,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             grad_all=self.grad_all,
             step_times_s=dict(self.step_times),
             emulation=emulation,
-            warnings=list(self.warnings) + self._draw_warnings(),
+            warnings=list(self.warnings) + self._draw_warnings() + ([self._refs.note] if self._refs.note else []),
             memory=dict(self.memory),
             traces=dict(self.traces),
         )

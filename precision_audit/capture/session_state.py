@@ -19,7 +19,7 @@ from ..formats import Format
 from ..host_rng import HostRng
 from .output_grads import OutputGradHooks
 from .records import LayerRecord, RunRecord
-from .reference_store import ReferenceStore
+from .reference_store import Kept, ReferenceStore
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .user_autocast import UserAutocast
 
@@ -60,10 +60,10 @@ class SessionState:
     warnings: list[str]
     _user_autocast: UserAutocast  # the model's own autocast regions (capture/user_autocast.py)
     _grad_lost: Callable[[LayerRecord, int], None]
-    _ref_outputs: dict[int, list[list[torch.Tensor]]]
+    _ref_outputs: dict[int, list[list[Kept]]]  # Kept: a tensor, or one in the store's file (reference_store.py)
     _ref_grad_nonfinite: dict[int, torch.Tensor]
-    _clone_cache: dict[int, tuple[int, torch.Tensor]]
-    _stat_cache: dict[tuple, tuple[torch.Tensor, Any]]
+    _clone_cache: dict[int, tuple[int, Kept]]
+    _stat_cache: dict[tuple, tuple[Kept, Any]]
     _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
     _loss_ref: Any
     _refs: ReferenceStore
@@ -79,7 +79,7 @@ class SessionState:
     _same_draws: Callable[..., AbstractContextManager[None]]
     _hist_of: Callable[[torch.Tensor], MagnitudeHistogram]
     _summary_of: Callable[[torch.Tensor], RangeSummary]
-    _error_of: Callable[[torch.Tensor, torch.Tensor], ErrorStats]
-    _clone_ref: Callable[[torch.Tensor], torch.Tensor]
+    _error_of: Callable[[Kept, torch.Tensor], ErrorStats]
+    _clone_ref: Callable[[torch.Tensor], Kept]
     _batch_call_output: Callable[..., Any]  # capture/reference_pass.py
     _batch_call_impacts: Callable[..., list[float]]

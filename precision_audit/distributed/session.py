@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..capture import noise as _noise
 from ..capture.runner import CaptureSession
-from ..capture.stats import ErrorStats
+from ..capture.stats import ErrorStats, dot64
 from ..formats import Format
 from . import reduce as R
 from . import saved as saved_copies
@@ -272,7 +272,9 @@ class DistributedCaptureSession(CaptureSession):
             else:
                 inner(g)
             for f, d in (diffs or {}).items():
-                self._impact_log.append((rec, f, float((g.detach().double() * d.double()).sum())))
+                # d may be in the references' file (capture/reference_store.py); the same fused product as
+                # one process's (capture/reference_pass.py, _reference_grad)
+                self._impact_log.append((rec, f, dot64(g.detach(), self._refs.on(d, g))))
         return hook
 
     # -- the passes, each followed by its reduction --------------------------------------------------------

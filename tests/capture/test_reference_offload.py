@@ -1,7 +1,8 @@
 """The FP32 reference's kept tensors on the host when the audit runs on a GPU (docs/memory.md, "Reference
 memory"): the outputs the format passes compare against and the local-error differences of the first-order
 impacts. Run here under the fake CUDA device (tests/fakecuda.py), which checks the path and that it changes no
-figure; tests/gpu/test_audit_memory_gpu.py measures the memory on a real GPU."""
+figure; tests/gpu/test_audit_memory_gpu.py measures the memory on a real GPU. On a CPU they go to a temporary
+file instead: tests/capture/test_reference_spill.py."""
 
 from __future__ import annotations
 
@@ -80,16 +81,16 @@ def test_offloaded_references_give_the_same_figures_as_references_kept_on_the_de
     assert impacts and any(i != 0.0 for i in impacts), "first-order impacts were measured from the offloaded diffs"
 
 
-def test_store_copies_on_a_gpu_and_keeps_cpu_tensors_in_place():
+def test_store_copies_on_a_gpu_and_keeps_cpu_tensors_in_place_when_not_spilling():
     t = torch.arange(6.0).reshape(2, 3)
-    cpu = ReferenceStore("cpu")
-    assert not cpu.offload
+    cpu = ReferenceStore("cpu", spill=False)
+    assert not cpu.offload and not cpu.spilling
     assert cpu.stash(t) is t, "on a CPU device a diff the caller made is kept as is (no second copy)"
     c = cpu.keep(t)
     assert c.data_ptr() != t.data_ptr() and torch.equal(c, t), "a reference is a copy, not a view"
     assert cpu.on(c, t) is c
     gpu = ReferenceStore("cuda:0")
-    assert gpu.offload
+    assert gpu.offload and not gpu.spilling
     # no pinned allocator without CUDA: the store falls back to a pageable host copy, same values
     h = gpu.keep(t)
     assert h.device.type == "cpu" and h.data_ptr() != t.data_ptr() and torch.equal(h, t)

@@ -1,0 +1,195 @@
+"""The FP32 reference's kept tensors in a temporary file when the audit runs on a CPU (docs/memory.md, "Reference
+memory"; capture/reference_store.py): exact values back, the same figures as kept in memory, nothing left in
+the directory, space given back as tensors are dropped, memory file systems and a full disk handled."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import precision_audit
+from precision_audit.capture import reference_store
+from precision_audit.capture.reference_store import ReferenceStore, Spilled
+from precision_audit.capture.runner import CaptureConfig, CaptureSession
+from precision_audit.formats import Format
+
+
+class InPlace(nn.Module):
+    """Outputs written over in place after they are seen (ReLU(inplace=True) on a Linear's output): a reference
+    that aliased the output instead of copying it would read the overwritten values."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.act = nn.ReLU(inplace=True)
+        self.b = nn.Linear(d, d)
+        self.c = nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.c(self.act(self.b(self.act(self.a(x)))))
+
+
+def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
+    real_init = ReferenceStore.__init__
+    stores: list[ReferenceStore] = []
+
+    def init(self, device, spill_=True, directory=None):
+        real_init(self, device, spill=spill, directory=str(tmp_path))
+        stores.append(self)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ReferenceStore, "__init__", init)
+        torch.manual_seed(0)
+        model = InPlace()
+        x = torch.randn(8, 16)
+        with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(),
+                            CaptureConfig(formats=(Format.FP16, Format.BF16), timed_steps=0)) as s:
+            s.reference_run()
+            assert all(isinstance(r, Spilled) for calls in s._ref_outputs.values() for c in calls for r in c) \
+                == spill
+            assert os.listdir(tmp_path) == [], "the file is unlinked as soon as it is made"
+            for f in (Format.FP16, Format.BF16):
+                s.format_run(f)
+            out = {}
+            for r in s.result().layers:
+                for f, fs in r.formats.items():
+                    out[(r.name, f.value)] = (fs.accumulated.rel_l2, fs.accumulated.max_abs,
+                                              fs.local.rel_l2 if fs.local else None, fs.loss_impact,
+                                              fs.impact_measured)
+    return out, stores[0]
+
+
+def test_spilled_references_give_the_same_figures_as_references_kept_in_memory(monkeypatch, tmp_path):
+    in_memory, kept = _figures(False, monkeypatch, tmp_path)
+    spilled, store = _figures(True, monkeypatch, tmp_path)
+    assert not kept.spilling and kept._file is None
+    # every module's output per call (5 modules, ReLU twice) and each format's local difference went to the file
+    assert store._file is None, "closed when the session ends"
+    assert spilled == in_memory
+    impacts = [v[3] for v in spilled.values() if v[4]]
+    assert impacts and any(i != 0.0 for i in impacts), "first-order impacts were measured from the spilled diffs"
+    assert any(v[0] and v[0] > 0 for v in spilled.values()), "accumulated errors were measured against the file"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, 5),
+    lambda: torch.randn(4, 6).t(),  # not contiguous
+    lambda: torch.randn(7).to(torch.bfloat16),
+    lambda: torch.randn(2, 3).half(),
+    lambda: torch.randn(2, 3).double(),
+    lambda: torch.tensor(2.5),  # 0-dim
+    lambda: torch.empty(0, 4),  # no bytes
+    lambda: torch.tensor([float("nan"), float("inf"), -0.0, 1e-45]),
+])
+def test_a_spilled_tensor_comes_back_exactly(make, tmp_path):
+    store = ReferenceStore("cpu", directory=str(tmp_path))
+    assert store.spilling
+    t = make()
+    expect = t.clone()
+    s = store.keep(t)
+    assert isinstance(s, Spilled) and s.shape == t.shape and s.dtype == t.dtype
+    if t.numel():
+        t.fill_(7)  # the kept copy does not follow its source
+    back = store.on(s, t)
+    assert back.dtype == expect.dtype and back.shape == expect.shape
+    assert torch.equal(back.view(-1).view(torch.uint8) if back.numel() else back,
+                       expect.contiguous().view(-1).view(torch.uint8) if expect.numel() else expect)
+    assert store.on(s, t) is not back, "each read is a fresh tensor, dropped after its statistic"
+    store.close()
+
+
+def test_dropped_tensors_give_their_space_back(tmp_path):
+    store = ReferenceStore("cpu", directory=str(tmp_path))
+    if reference_store._FALLOCATE is None:
+        pytest.skip("no fallocate here")
+    fd = store._file.fd
+    kept = [store.keep(torch.ones(1 << 18)) for _ in range(8)]  # 8 x 1 MB
+    used = os.fstat(fd).st_blocks * 512
+    assert used >= 8 << 20
+    del kept
+    gc.collect()
+    assert os.fstat(fd).st_blocks * 512 < 1 << 20, "the holes are punched as the handles go"
+    assert os.fstat(fd).st_size == 8 << 20, "offsets stay unique: the file is only appended to"
+    store.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_memory_file_system_keeps_the_tensors_in_memory(monkeypatch, tmp_path):
+    monkeypatch.setattr(reference_store, "_file_system_type", lambda d: "tmpfs")
+    store = ReferenceStore("cpu", directory=str(tmp_path))
+    assert not store.spilling and store.note is None
+    t = torch.randn(3)
+    c = store.keep(t)
+    assert isinstance(c, torch.Tensor) and torch.equal(c, t) and c.data_ptr() != t.data_ptr()
+
+
+def test_the_mount_table_names_the_file_system_of_a_directory(tmp_path):
+    if not os.path.exists("/proc/self/mounts"):
+        pytest.skip("no /proc")
+    assert reference_store._file_system_type(str(tmp_path)) is not None
+    if os.path.isdir("/dev/shm"):
+        assert reference_store._file_system_type("/dev/shm") in ("tmpfs", None)
+
+
+def test_a_full_directory_stops_the_spill_with_a_note(monkeypatch, tmp_path):
+    store = ReferenceStore("cpu", directory=str(tmp_path))
+    first = store.keep(torch.ones(4))
+    assert isinstance(first, Spilled)
+    monkeypatch.setattr(reference_store, "RESERVE_BYTES", 1 << 62)
+    t = torch.arange(4.0)
+    c = store.keep(t)
+    assert isinstance(c, torch.Tensor) and torch.equal(c, t), "kept in memory instead"
+    assert not store.spilling and "has less than 1 GiB free" in store.note and str(tmp_path) in store.note
+    assert isinstance(store.keep(t), torch.Tensor), "and so are the later ones"
+    assert torch.equal(store.on(first, t), torch.ones(4)), "what is in the file is still read from it"
+
+
+def test_a_full_directory_is_a_warning_in_audit_json(monkeypatch, tmp_path):
+    # the whole CLI path: the first tensor spills, then the file system reads full; the audit finishes with the
+    # references in memory and says so
+    sample = os.path.join(os.path.dirname(os.path.dirname(precision_audit.__file__)), "sample_models")
+    calls = {"n": 0}
+    real_write = reference_store._SpillFile.write
+
+    def write(self, t):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(28, "No space left on device")
+        return real_write(self, t)
+
+    monkeypatch.setattr(reference_store._SpillFile, "write", write)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    from precision_audit.audit import AuditOptions, run_audit
+    out = tmp_path / "out"
+    r = run_audit(AuditOptions(model=os.path.join(sample, "mlp", "model.py"),
+                               batch=os.path.join(sample, "mlp", "sample.pt"), out=str(out)), lambda m: None)
+    assert r.exit_code == 0
+    warnings = json.loads((out / "audit.json").read_text())["warnings"]
+    assert any("kept in memory" in w and "TMPDIR" in w for w in warnings), warnings
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or reference_store._TRIM is None, reason="glibc only")
+def test_releasing_the_free_heap_gives_scattered_free_pages_back():
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    # 64 KB blocks (below glibc's mmap threshold: from the heap), each followed by a small block that stays, so
+    # the freed blocks cannot merge into the heap's top and be trimmed there
+    big, small = [], []
+    for _ in range(2000):
+        big.append(torch.ones(1 << 14))
+        small.append(torch.ones(16))
+    del big
+    before = rss()
+    reference_store.release_free_heap()
+    after = rss()
+    assert before - after > 64 << 20, (before, after)
+    del small
