@@ -15,23 +15,25 @@ from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 def float_tensors(obj: Any) -> list[torch.Tensor]:
     """Every floating-point tensor in a (nested) output, in a stable order."""
     out: list[torch.Tensor] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            if x.is_floating_point():
-                out.append(x)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict):
-            for v in x.values():
-                walk(v)
-        elif hasattr(x, "__dataclass_fields__"):
-            for k in x.__dataclass_fields__:
-                walk(getattr(x, k, None))
-
-    walk(obj)
+    _walk(obj, out)
     return out
+
+
+def _walk(x: Any, out: list[torch.Tensor]) -> None:
+    # a module-level function, not a closure calling itself: such a closure is a reference cycle that holds
+    # the tensors it found until the cyclic garbage collector runs, activations a training step frees at once
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point():
+            out.append(x)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _walk(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _walk(v, out)
+    elif hasattr(x, "__dataclass_fields__"):
+        for k in x.__dataclass_fields__:
+            _walk(getattr(x, k, None), out)
 
 
 @dataclass

@@ -171,10 +171,10 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._call_ops: dict[tuple[int, int], tuple[int, int]] = {}
         self._call_index: dict[int, int] = {}
         self._ref_outputs: dict[int, list[list[Kept]]] = {}
-        self._clone_cache: dict[int, tuple[int, Kept]] = {}
+        self._clone_cache: dict[int, tuple[weakref.ref, int, Kept]] = {}
         # the reference's kept tensors: on the host on a GPU, in a temporary file on a CPU (reference_store.py)
         self._refs = ReferenceStore(config.device)
-        self._stat_cache: dict[tuple, tuple[Kept, Any]] = {}  # per pass; holds the tensors it keys
+        self._stat_cache: dict[tuple, tuple[weakref.ref, Any]] = {}  # per pass, weakly keyed by the tensors
         self._loss_scale = 1.0
         # reference pass: which module produced each output tensor (by identity and version), and the loss
         # tensor, so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
@@ -389,10 +389,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         given: the same values, where the statistic reads them)."""
         key = (kind, *(self._tensor_key(t) for t in tensors))
         hit = self._stat_cache.get(key)
-        if hit is None or hit[0] is not tensors[-1]:
+        if hit is None or hit[0]() is not tensors[-1]:
             stats = make()
             stats.update(*(operands() if operands is not None else tensors))
-            hit = self._stat_cache[key] = (tensors[-1], stats)
+            # a weak reference: holding the tensor would keep every module output of the pass alive until its
+            # end, activations a training step frees as it goes (a dead one is a miss: its id may be reused)
+            hit = self._stat_cache[key] = (weakref.ref(tensors[-1]), stats)
         return hit[1]
 
     def _hist_of(self, t: torch.Tensor) -> MagnitudeHistogram:
@@ -406,11 +408,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         return self._cached("err", (r, y), ErrorStats, lambda: (self._refs.on(r, y), y))
 
     def _clone_ref(self, t: torch.Tensor) -> Kept:
+        # the same tensor (a weak reference: once it is freed, its id may be another tensor's), unchanged since
         hit = self._clone_cache.get(id(t))
-        if hit is not None and hit[0] == t._version and hit[1].shape == t.shape:
-            return hit[1]
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
         c = self._refs.keep(t)
-        self._clone_cache[id(t)] = (t._version, c)
+        self._clone_cache[id(t)] = (weakref.ref(t), t._version, c)
         return c
 
     # -- hooks ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ call its helpers. :class:`SessionState` declares those names with their types; t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -62,8 +63,8 @@ class SessionState:
     _grad_lost: Callable[[LayerRecord, int], None]
     _ref_outputs: dict[int, list[list[Kept]]]  # Kept: a tensor, or one in the store's file (reference_store.py)
     _ref_grad_nonfinite: dict[int, torch.Tensor]
-    _clone_cache: dict[int, tuple[int, Kept]]
-    _stat_cache: dict[tuple, tuple[Kept, Any]]
+    _clone_cache: dict[int, tuple[weakref.ref, int, Kept]]
+    _stat_cache: dict[tuple, tuple[weakref.ref, Any]]
     _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
     _loss_ref: Any
     _refs: ReferenceStore
