@@ -442,8 +442,8 @@ def _diff_bf16(y: torch.Tensor, p: torch.Tensor, finite: bool | None) -> torch.T
     if y.dtype == torch.float32 and p.dtype in (torch.float32, torch.float16, torch.bfloat16):
         if finite is None:
             finite = bool(torch.isfinite(y.sum()))  # an overflowing sum only takes the masked path below
-        if finite:
-            return torch.sub(p, y).to(torch.bfloat16)
+        if finite:  # computed in float32 and rounded once as it is stored: no float32 temporary
+            return torch.sub(p, y, out=torch.empty_like(y, dtype=torch.bfloat16))
     return torch.where(torch.isfinite(y), p.float() - y, 0.0).to(torch.bfloat16)
 
 
