@@ -238,6 +238,24 @@ def rnn_warning(model: torch.nn.Module, mode: str) -> list[str]:
             "which the emulation does not reproduce (they stay fp32 here); audit on a GPU for their numerics"]
 
 
+def frozen_low_precision_warning(model: torch.nn.Module) -> list[str]:
+    """Frozen fp16/bf16 parameters beside float32 trained ones (a bf16 base under float32 LoRA adapters): the
+    model as it trains, and accepted (loading/model.py), but then the FP32 reference computes with those weights
+    as stored, so it is not an all-FP32 pass, and what the formats' figures measure is what autocast adds."""
+    low = [(n, p) for n, p in model.named_parameters()
+           if not p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)]
+    if not low:
+        return []
+    total = sum(p.numel() for p in model.parameters()) or 1
+    share = sum(p.numel() for _, p in low) / total
+    dtypes = "/".join(sorted({str(p.dtype).replace("torch.", "") for _, p in low}))
+    shown = ", ".join(n for n, _ in low[:3]) + (f" and {len(low) - 3} more" if len(low) > 3 else "")
+    return [f"{len(low)} frozen parameter tensors ({100 * share:.0f}% of the model's values: {shown}) are stored "
+            f"in {dtypes}: the FP32 reference computes with them as stored, as training does, so it is not an "
+            f"all-FP32 pass; every format's figures measure what autocast adds on top of those {dtypes} weights, "
+            "not their own rounding (build the model in float32 to measure that as well)"]
+
+
 def unlowered_warning(capture: CaptureResult) -> list[str]:
     """GEMMs CUDA autocast does not lower (torch._grouped_mm, the experts of a mixture of experts): under fp16/bf16
     autocast they run in FP32, which the per-layer notes say and the step-time estimates price."""

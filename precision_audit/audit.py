@@ -503,6 +503,7 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
         verdict=assemble.verdict(analysis, plan, setup.formats),
         warnings=assemble.run_warnings(capture, run.spec, run.structures, setup.mode) + capture.warnings
         + assemble.rnn_warning(model, setup.mode)
+        + assemble.frozen_low_precision_warning(model)
         + assemble.noise_warning(noise_floor, opts.budget.to_dict())
         + assemble.unlowered_warning(capture)
         # FP32's own non-finite values: said once, and (analysis/findings.py) not held against any format
