@@ -20,21 +20,7 @@ from precision_audit.capture import reference_store
 from precision_audit.capture.reference_store import ReferenceStore, Spilled
 from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
-
-
-class InPlace(nn.Module):
-    """Outputs written over in place after they are seen (ReLU(inplace=True) on a Linear's output): a reference
-    that aliased the output instead of copying it would read the overwritten values."""
-
-    def __init__(self, d: int = 16) -> None:
-        super().__init__()
-        self.a = nn.Linear(d, d)
-        self.act = nn.ReLU(inplace=True)
-        self.b = nn.Linear(d, d)
-        self.c = nn.Linear(d, 4)
-
-    def forward(self, x):
-        return self.c(self.act(self.b(self.act(self.a(x)))))
+from test_reference_offload import InPlace  # outputs written over in place after they are seen
 
 
 def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
