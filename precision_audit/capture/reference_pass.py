@@ -13,7 +13,6 @@ session's per-pass state); it holds no state of its own.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import time
@@ -37,6 +36,7 @@ from .reference_store import Kept
 from .session_state import RngState, SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram, dot64
+from .user_autocast import UserRegion
 
 CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
                   "measured)")
@@ -61,14 +61,15 @@ class PreCall(NamedTuple):
     draw_start: int
     versions: list[int]  # of the tensor arguments before the call (_tensors_in order)
     copied: bool  # ``snapshot`` holds copies of the tensor arguments
-    autocast_off: bool  # called inside the model's own autocast(enabled=False) region (capture/user_autocast.py)
+    # the model's own autocast region the call is inside, innermost (capture/user_autocast.py), or None
+    user_region: UserRegion | None
     # the attributes of the module and every module inside it (references): a re-run starts from them (a call
     # counter the call itself bumped is put back first)
     attributes: list[tuple[torch.nn.Module, dict[str, Any]]]
 
 
 def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_start: int,
-             autocast_off: bool = False) -> PreCall:
+             user_region: UserRegion | None = None) -> PreCall:
     """The record of a module call's state before it runs. ``nn.ReLU(inplace=True)``, ``nn.SiLU(inplace=True)``,
     ``nn.Dropout(inplace=True)`` ... overwrite their input with their output: their arguments are copied, so the
     re-runs start from the FP32 input (and write into the copy, not into the FP32 pass's tensors)."""
@@ -80,8 +81,8 @@ def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_
         except Exception:  # an argument that cannot be copied: not re-run if the call changes its input (IN_PLACE_NOTE)
             copied = None
         if copied is not None:
-            return PreCall(rng, copied, draw_start, [t._version for t in ts], True, autocast_off, module_attributes(m))
-    return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, autocast_off,
+            return PreCall(rng, copied, draw_start, [t._version for t in ts], True, user_region, module_attributes(m))
+    return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, user_region,
                    module_attributes(m))
 
 
@@ -103,7 +104,7 @@ class BatchCall:
     versions: list[int]  # of the tensor arguments, in _tensors_in order: an in-place change disqualifies
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output slot -> dL/dy of the FP32 backward
     refs: list[Kept] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
-    autocast_off: bool = False  # inside the model's own autocast(enabled=False) region
+    user_region: UserRegion | None = None  # inside the model's own autocast region (PreCall)
     attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)  # before the call
 
 
@@ -274,7 +275,7 @@ class ReferencePass(SessionState):
             if hit is None or hit[0] is not t or hit[1] != t._version:
                 return None
         return BatchCall(rng=rng, args=args, kwargs=kwargs, versions=[t._version for t in ts],
-                         autocast_off=pre_rng.autocast_off, attributes=pre_rng.attributes)
+                         user_region=pre_rng.user_region, attributes=pre_rng.attributes)
 
     def _defer_to_format_passes(self, m, rec: LayerRecord, call: BatchCall, ys) -> None:
         self._batch_call_records[(id(m), rec.calls - 1)] = call
@@ -306,13 +307,13 @@ class ReferencePass(SessionState):
                     args, kwargs = copy.deepcopy(snapshot)
                 try:
                     try:
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.autocast_off)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.user_region)
                     except Exception as e:
                         if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
                             raise
                         self._use_gemm_mode = True
                         self._set_rng_state(pre_rng)
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.autocast_off)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.user_region)
                 except torch.OutOfMemoryError:
                     # not a finding of this module: a "not measured" here would read as zero impact to the
                     # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
@@ -364,7 +365,7 @@ class ReferencePass(SessionState):
                 put_attributes_back(call.attributes)
                 self._set_rng_state(call.rng)
                 ps = float_tensors(self._rerun_once(m, fmt, call.args, call.kwargs, [n for n, _ in m.named_buffers()],
-                                                    off=call.autocast_off))
+                                                    user_region=call.user_region))
             finally:
                 put_attributes_back(attributes)
                 self._set_rng_state(now)
@@ -392,12 +393,12 @@ class ReferencePass(SessionState):
         return impacts
 
     def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0,
-                    off: bool = False) -> Any:
+                    user_region: UserRegion | None = None) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
-        # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op. ``off``: the
-        # call ran inside the model's own autocast(enabled=False) region, and so does its re-run.
-        region = self._user_autocast.region(fmt is not Format.TF32) if off else contextlib.nullcontext()
+        # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op. ``user_region``:
+        # the call ran inside the model's own autocast region, and so does its re-run.
+        region = self._user_autocast.region(fmt is not Format.TF32, user_region)
         with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), region, \
                 self._same_draws(fmt, draw_start):
             if not buffer_names:

@@ -431,7 +431,7 @@ class CaptureSession(ReferencePass, FormatPasses):
                 if m is self.model:  # the batch as the model is given it (calls on it: BatchCall)
                     self._batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
                 self._pre_rng.append(pre_call(self._rng_state(), m, args, kwargs, len(self._draws),
-                                              self._user_autocast.off))
+                                              self._user_autocast.innermost))
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
             else:  # a format pass: the random state before a call on the batch, to check it is the FP32 pass's

@@ -18,10 +18,14 @@ Two things follow for the audit (docs/emulation.md, "The model's own autocast re
 
 :class:`UserAutocast` patches ``torch.autocast``'s ``__init__`` (to know the ``enabled`` the model asked for: on
 a CPU-only build ``torch.autocast("cuda")`` turns itself off), ``__enter__`` and ``__exit__`` while the session is
-open, and keeps the stack of regions on the audited device types. Regions that turn autocast *on* with their own
-dtype in the forward are tracked (they end an enclosing "off") but not emulated. One in a backward is emulated:
-``torch.amp.custom_bwd`` enters ``torch.autocast("cuda", enabled=True, dtype=...)`` to run a custom function's
-backward under the autocast its forward ran under, and the emulation turns CPU autocast on with that dtype.
+open, and keeps the stack of regions on the audited device types.
+
+Regions that turn autocast *on* with their own dtype (``with torch.autocast("cuda", dtype=torch.bfloat16):``
+around an attention block in the forward; ``torch.amp.custom_bwd`` restoring, in a backward, the autocast a
+custom function's forward ran under) compute in that dtype on a GPU in every pass, the FP32 reference included.
+Emulated, entering one turns CPU autocast on with that dtype for its extent, and in both modes a module called
+inside one is re-run in that dtype whatever the format: the model pins its precision there, so its local error
+is zero in every format, as the GPU's would be.
 
 *Emulated*, the model's questions about CUDA autocast get a GPU's answers too (:class:`CudaQueries`). Code asks
 ``torch.is_autocast_enabled()`` (no argument: CUDA's) or ``torch.get_autocast_gpu_dtype()`` to cast its own
@@ -44,6 +48,8 @@ import torch.amp.autocast_mode as _amp_mode
 from torch.amp.autocast_mode import autocast as _Autocast
 
 _ACTIVE: UserAutocast | None = None
+# a model's autocast region: (enabled, the dtype it computes in when enabled)
+UserRegion = tuple[bool, torch.dtype]
 # set while torch.autocast's own __enter__/__exit__ run: they save and restore CUDA's real state
 _TORCH_OWN = threading.local()
 
@@ -122,21 +128,33 @@ class UserAutocast:
         self.emulated = emulated
         # the device types whose regions matter: CUDA's, and in emulated mode the CPU's that stands in for it
         self.devices = ("cuda", "cpu") if emulated else ("cuda",)
-        self.stack: list[bool] = []
+        # the model's regions open now, innermost last: (enabled, the dtype an enabled one computes in)
+        self.stack: list[UserRegion] = []
         self._saved: tuple[Any, Any, Any] | None = None
         self._queries: CudaQueries | None = None
 
     @property
     def off(self) -> bool:
         """Whether the innermost region open now turns autocast off."""
-        stack = (_ACTIVE or self).stack  # a session inside another reads the outer one's regions
-        return bool(stack) and not stack[-1]
+        inner = self.innermost
+        return inner is not None and not inner[0]
 
-    def region(self, fmt_is_autocast: bool) -> contextlib.AbstractContextManager[Any]:
-        """For a re-run of a module called inside an "off" region: autocast off, as in that call."""
-        if not fmt_is_autocast:
+    @property
+    def innermost(self) -> UserRegion | None:
+        """The innermost region open now, or None."""
+        stack = (_ACTIVE or self).stack  # a session inside another reads the outer one's regions
+        return stack[-1] if stack else None
+
+    def region(self, fmt_is_autocast: bool, inner: UserRegion | None) -> contextlib.AbstractContextManager[Any]:
+        """For a re-run of a module called inside the model's region ``inner``, the autocast of that call: off
+        inside an "off" region (nothing to turn off when the format is no autocast), the region's own dtype
+        inside an "on" one, whatever the format (the model computes in it in every pass, the FP32 one included)."""
+        device = "cpu" if self.emulated else "cuda"
+        if inner is None or (not inner[0] and not fmt_is_autocast):
             return contextlib.nullcontext()
-        return torch.autocast("cpu" if self.emulated else "cuda", enabled=False)
+        if not inner[0]:
+            return torch.autocast(device, enabled=False)
+        return torch.autocast(device, dtype=inner[1], cache_enabled=False)
 
     def __enter__(self) -> UserAutocast:
         global _ACTIVE
@@ -161,13 +179,14 @@ class UserAutocast:
             a._pa_tracked = False
             if tracker is not None and req is not None and req[0] in tracker.devices:
                 a._pa_tracked = True
-                tracker.stack.append(req[1])
+                dtype = req[2] if req[2] is not None else _own(torch.get_autocast_dtype, req[0])
+                tracker.stack.append((req[1], dtype))
                 inner = None
                 if tracker.emulated and req[0] == "cuda" and not req[1] and torch.is_autocast_enabled("cpu"):
                     inner = torch.autocast("cpu", enabled=False)
-                elif tracker.emulated and req[0] == "cuda" and req[1] and torch._C._current_graph_task_id() != -1:
-                    # in a backward: custom_bwd restoring the autocast state its forward ran under
-                    dtype = req[2] if req[2] is not None else _own(torch.get_autocast_dtype, "cuda")
+                elif tracker.emulated and req[0] == "cuda" and req[1]:
+                    # the model's own "on" region (or custom_bwd restoring, in a backward, the autocast its
+                    # custom function's forward ran under): CUDA autocast at that dtype, emulated
                     inner = torch.autocast("cpu", dtype=dtype, cache_enabled=False)
                 if inner is not None:
                     _own(enter, inner)

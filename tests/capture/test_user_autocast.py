@@ -65,6 +65,49 @@ def test_a_module_inside_an_autocast_off_region_is_measured_in_fp32(how):
     assert got == _figures("device")  # "cuda" hard-coded or torch.cuda.amp: as PyTorch runs the device's own
 
 
+class _Pinned(torch.nn.Module):
+    """``b`` pinned to bf16 by the model's own autocast-on region, written two ways."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+        self.how = how
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.autocast(x.device.type if self.how == "device" else "cuda", dtype=torch.bfloat16):
+            h = torch.tanh(self.b(h))
+        return self.head(h.float())
+
+
+@pytest.mark.parametrize("how", ["device", "cuda"])
+def test_a_module_inside_an_autocast_on_region_computes_in_its_dtype_in_every_pass(how):
+    got = _figures(how, _Pinned)
+    for f in ("fp16", "bf16"):
+        local, acc, dtypes, impact = got["b"][f]
+        # the model computes b in bf16 in every pass, the FP32 reference included (as a GPU does): re-run in
+        # bf16 too, whatever the format, its local error and impact are zero
+        assert local == 0.0 and impact == 0.0, got["b"]
+        assert dtypes == ["bfloat16"]
+        assert got["a"][f][2] == [{"fp16": "float16", "bf16": "bfloat16"}[f]]  # outside it, the format's
+    assert got["b"]["fp16"][1] > 0  # its accumulated error: a's fp16 error carried through
+    assert got == _figures("device", _Pinned)  # "cuda" hard-coded: as PyTorch runs the device's own region
+
+
+def test_the_fp32_reference_runs_an_on_region_in_its_dtype():
+    torch.manual_seed(0)
+    model, x = _Pinned("cuda"), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    seen: list[torch.dtype] = []
+    model.b.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), CaptureConfig(FORMATS)) as s:
+        s.reference_run()
+    assert seen and set(seen) == {torch.bfloat16}, seen  # the call and its re-runs
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "CUDA is not available ... Disabling autocast"
+        plain = model(x)  # outside the session, on a CPU-only build: CUDA autocast off, the region does nothing
+    assert plain.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
 def test_torch_autocast_is_put_back_after_the_session():
     from torch.amp.autocast_mode import autocast
 
