@@ -60,13 +60,15 @@ def _figures(offload: bool, monkeypatch) -> dict:
                 s.reference_run()
                 for f in (Format.FP16, Format.BF16):
                     s.format_run(f)
-                out = {}
-                for r in s.result().layers:
-                    for f, fs in r.formats.items():
-                        out[(r.name, f.value)] = (fs.accumulated.rel_l2, fs.accumulated.max_abs,
-                                                  fs.local.rel_l2 if fs.local else None, fs.loss_impact,
-                                                  fs.impact_measured)
+                out = layer_figures(s.result())
     return {"figures": out, "kept": kept}
+
+
+def layer_figures(result) -> dict:
+    """Per (module, format): accumulated error (rel_l2, max_abs), local error, loss impact, whether measured."""
+    return {(r.name, f.value): (fs.accumulated.rel_l2, fs.accumulated.max_abs, fs.local.rel_l2 if fs.local else None,
+                                fs.loss_impact, fs.impact_measured)
+            for r in result.layers for f, fs in r.formats.items()}
 
 
 def test_offloaded_references_give_the_same_figures_as_references_kept_on_the_device(monkeypatch):

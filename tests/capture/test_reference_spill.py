@@ -20,7 +20,7 @@ from precision_audit.capture import reference_store
 from precision_audit.capture.reference_store import ReferenceStore, Spilled
 from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
-from test_reference_offload import InPlace  # outputs written over in place after they are seen
+from test_reference_offload import InPlace, layer_figures  # outputs written over in place after they are seen
 
 
 def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
@@ -44,12 +44,7 @@ def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
             assert os.listdir(tmp_path) == [], "the file is unlinked as soon as it is made"
             for f in (Format.FP16, Format.BF16):
                 s.format_run(f)
-            out = {}
-            for r in s.result().layers:
-                for f, fs in r.formats.items():
-                    out[(r.name, f.value)] = (fs.accumulated.rel_l2, fs.accumulated.max_abs,
-                                              fs.local.rel_l2 if fs.local else None, fs.loss_impact,
-                                              fs.impact_measured)
+            out = layer_figures(s.result())
     return out, stores[0]
 
 

@@ -18,7 +18,8 @@ FORMATS = (Format.FP16, Format.BF16)
 
 
 class _Island(torch.nn.Module):
-    """``b`` in FP32 inside an autocast-off region, written three ways."""
+    """``b`` in FP32 inside an autocast-off region, written three ways; or (``on-device``, ``on-cuda``) pinned to
+    bf16 by an autocast-on region, written two ways."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
@@ -27,6 +28,10 @@ class _Island(torch.nn.Module):
 
     def forward(self, x):
         h = self.a(x)
+        if self.how.startswith("on-"):
+            with torch.autocast(x.device.type if self.how == "on-device" else "cuda", dtype=torch.bfloat16):
+                h = torch.tanh(self.b(h))
+            return self.head(h.float())
         if self.how == "device":
             region = torch.autocast(x.device.type, enabled=False)
         elif self.how == "cuda":
@@ -65,24 +70,9 @@ def test_a_module_inside_an_autocast_off_region_is_measured_in_fp32(how):
     assert got == _figures("device")  # "cuda" hard-coded or torch.cuda.amp: as PyTorch runs the device's own
 
 
-class _Pinned(torch.nn.Module):
-    """``b`` pinned to bf16 by the model's own autocast-on region, written two ways."""
-
-    def __init__(self, how: str) -> None:
-        super().__init__()
-        self.a, self.b, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
-        self.how = how
-
-    def forward(self, x):
-        h = self.a(x)
-        with torch.autocast(x.device.type if self.how == "device" else "cuda", dtype=torch.bfloat16):
-            h = torch.tanh(self.b(h))
-        return self.head(h.float())
-
-
-@pytest.mark.parametrize("how", ["device", "cuda"])
+@pytest.mark.parametrize("how", ["on-device", "on-cuda"])
 def test_a_module_inside_an_autocast_on_region_computes_in_its_dtype_in_every_pass(how):
-    got = _figures(how, _Pinned)
+    got = _figures(how)
     for f in ("fp16", "bf16"):
         local, acc, dtypes, impact = got["b"][f]
         # the model computes b in bf16 in every pass, the FP32 reference included (as a GPU does): re-run in
@@ -91,12 +81,12 @@ def test_a_module_inside_an_autocast_on_region_computes_in_its_dtype_in_every_pa
         assert dtypes == ["bfloat16"]
         assert got["a"][f][2] == [{"fp16": "float16", "bf16": "bfloat16"}[f]]  # outside it, the format's
     assert got["b"]["fp16"][1] > 0  # its accumulated error: a's fp16 error carried through
-    assert got == _figures("device", _Pinned)  # "cuda" hard-coded: as PyTorch runs the device's own region
+    assert got == _figures("on-device")  # "cuda" hard-coded: as PyTorch runs the device's own region
 
 
 def test_the_fp32_reference_runs_an_on_region_in_its_dtype():
     torch.manual_seed(0)
-    model, x = _Pinned("cuda"), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    model, x = _Island("on-cuda"), torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     seen: list[torch.dtype] = []
     model.b.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), CaptureConfig(FORMATS)) as s:
