@@ -137,6 +137,8 @@ class _SpillFile:
 
     @classmethod
     def open(cls, directory: str | None) -> _SpillFile | None:
+        if not all(hasattr(os, f) for f in ("pwrite", "preadv", "fstatvfs")):  # not on Windows (macOS < 11)
+            return None
         directory = directory or tempfile.gettempdir()
         fs = _file_system_type(directory)
         if fs in _MEMORY_FILE_SYSTEMS:

@@ -113,6 +113,14 @@ def test_a_memory_file_system_keeps_the_tensors_in_memory(monkeypatch, tmp_path)
     assert isinstance(c, torch.Tensor) and torch.equal(c, t) and c.data_ptr() != t.data_ptr()
 
 
+def test_without_positional_file_io_the_tensors_stay_in_memory(monkeypatch, tmp_path):
+    monkeypatch.delattr(os, "preadv")  # Windows has neither pwrite nor preadv
+    store = ReferenceStore("cpu", directory=str(tmp_path))
+    assert not store.spilling
+    t = torch.randn(3)
+    assert torch.equal(store.keep(t), t)
+
+
 def test_the_mount_table_names_the_file_system_of_a_directory(tmp_path):
     if not os.path.exists("/proc/self/mounts"):
         pytest.skip("no /proc")
