@@ -18,7 +18,7 @@ from .analysis.findings import Analysis, FormatError, LayerFinding, RangeFinding
 from .analysis.performance import LayerPerformance, Performance
 from .capture.records import CaptureResult
 from .capture.stats import ErrorStats
-from .formats import Format
+from .formats import LOW_PRECISION_DTYPES, Format
 from .planning.rules import Plan
 from .planning.select import PlanCandidate
 from .planning.verified import ChosenPlan
@@ -243,7 +243,7 @@ def frozen_low_precision_warning(model: torch.nn.Module) -> list[str]:
     model as it trains, and accepted (loading/model.py), but then the FP32 reference computes with those weights
     as stored, so it is not an all-FP32 pass, and what the formats' figures measure is what autocast adds."""
     low = [(n, p) for n, p in model.named_parameters()
-           if not p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)]
+           if not p.requires_grad and p.dtype in LOW_PRECISION_DTYPES.values()]
     if not low:
         return []
     total = sum(p.numel() for p in model.parameters()) or 1

@@ -16,7 +16,7 @@ training step holds — the reason an audit could not fit a model that trains in
   memory (from then on), as they did before; ``note`` says why when it happens during an audit.
 
 The figures are the same either way: the copies are exact and every statistic is computed on the device, from
-the same values (tests/capture/test_reference_offload.py).
+the same values (tests/capture/test_reference_offload.py, tests/capture/test_reference_spill.py).
 """
 
 from __future__ import annotations

@@ -134,12 +134,6 @@ class UserAutocast:
         self._queries: CudaQueries | None = None
 
     @property
-    def off(self) -> bool:
-        """Whether the innermost region open now turns autocast off."""
-        inner = self.innermost
-        return inner is not None and not inner[0]
-
-    @property
     def innermost(self) -> UserRegion | None:
         """The innermost region open now, or None."""
         stack = (_ACTIVE or self).stack  # a session inside another reads the outer one's regions

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from precision_audit.errors import ModelLoadError
+from precision_audit.formats import LOW_PRECISION_DTYPES
 
 from .failures import EXIT_HINT, exception_text, import_failure, raise_site, syntax_failure, type_name
 
@@ -387,9 +387,6 @@ def check_trainable(model: nn.Module, source: ModelSource) -> None:
         )
 
 
-_LOW = (torch.float16, torch.bfloat16)
-
-
 def _check_float32_trainables(model: nn.Module, name: str, where: str) -> None:
     """The audit measures each format against an FP32 pass of the same model. A model whose trained parameters
     are all fp16/bf16 (``model.half()``, ``.to(torch.bfloat16)``) has no FP32 pass: its "reference" would be its
@@ -397,7 +394,7 @@ def _check_float32_trainables(model: nn.Module, name: str, where: str) -> None:
     parameters beside float32 trained ones (a frozen bf16 base under float32 adapters) are the model as trained,
     and are accepted."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
-    if not trained or any(p.dtype not in _LOW for _, p in trained):
+    if not trained or any(p.dtype not in LOW_PRECISION_DTYPES.values() for _, p in trained):
         return
     dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in trained})
     raise ModelLoadError(
