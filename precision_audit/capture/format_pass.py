@@ -138,7 +138,7 @@ class FormatPasses(SessionState):
             if ref and len(ref[0]) == len(ys):
                 run.output = ErrorStats()
                 for r, y in zip(ref[0], ys):
-                    run.output.update(self._refs.on(r, y), y)
+                    run.output.update(self._refs.for_stats(r, y), y)
                 run.output_nonfinite = run.output.nonfinite
         except torch.OutOfMemoryError:
             raise  # the GPU's limit, not the plan's fault: it must not count as a broken plan

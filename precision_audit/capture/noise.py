@@ -210,7 +210,7 @@ class _Fp32Order:
                 e = ErrorStats()
                 for r, y in zip(refs[0], ys):
                     if r.shape == y.shape:
-                        e.update(session._refs.on(r, y), y.detach())
+                        e.update(session._refs.for_stats(r, y), y.detach())
                 self.layers[name] = e
             return hook
 
@@ -228,7 +228,7 @@ class _Fp32Order:
         if self.root_ref is not None and len(self.root_ref) == len(self.outputs):
             e = ErrorStats()
             for r, y in zip(self.root_ref, self.outputs):
-                e.update(self.session._refs.on(r, y), y)
+                e.update(self.session._refs.for_stats(r, y), y)
             self.out_err = e.rel_l2
 
     def run(self) -> None:

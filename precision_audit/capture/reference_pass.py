@@ -412,7 +412,7 @@ class ReferencePass(SessionState):
         if not self._impacts_only:  # the repeat at the second order: histograms are the first pass's records
             self._grad_histograms(rec, g, own)
         for f, d in (diffs or {}).items():
-            impact = dot64(g, self._refs.on(d, g))
+            impact = dot64(g, self._refs.for_stats(d, g))
             fs = rec.formats[f]
             fs.loss_impact += impact
             fs.loss_impact_abs += abs(impact)

@@ -102,6 +102,16 @@ class ReferenceStore:
             return r
         return r.to(like.device, non_blocking=True)
 
+    def for_stats(self, r: Kept, like: torch.Tensor) -> torch.Tensor:
+        """``r`` as the reference operand of a statistic against ``like`` (:meth:`ErrorStats.update
+        <precision_audit.capture.stats.ErrorStats.update>`, :func:`~precision_audit.capture.stats.dot64`): a tensor
+        offloaded to the host as it is, since those copy it to ``like``'s device a block at a time (no full-size copy
+        of it on the GPU); otherwise as :meth:`on`. The host copy was queued on the device's stream, so the blocks'
+        copies back are ordered after it."""
+        if isinstance(r, torch.Tensor) and self.offload and r.device.type == "cpu" and like.device.type != "cpu":
+            return r
+        return self.on(r, like)
+
     def close(self) -> None:
         """Gives the file's space back (it was unlinked when made); tensors still in memory are unaffected."""
         if self._file is not None:

@@ -405,7 +405,7 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     def _error_of(self, r: Kept, y: torch.Tensor) -> ErrorStats:
         # r, the reference's output, may be on the host (capture/reference_store.py): compared on y's device
-        return self._cached("err", (r, y), ErrorStats, lambda: (self._refs.on(r, y), y))
+        return self._cached("err", (r, y), ErrorStats, lambda: (self._refs.for_stats(r, y), y))
 
     def _clone_ref(self, t: torch.Tensor) -> Kept:
         # the same tensor (a weak reference: once it is freed, its id may be another tensor's), unchanged since

@@ -12,7 +12,13 @@ Two implementations of every update, with the same results (docs/performance.md,
   exponent bits, not by a binary search), or every error sum together, accumulated in double from the
   float32 values (exact products, no float64 copy of the tensors). Counts are identical to the Python path's;
   sums differ only in summation order (relative ~1e-16).
-- **Python** (any device, and whenever the library is not loaded): torch ops, as before.
+- **Python** (any device, and whenever the library is not loaded): torch ops, as before. A tensor of more than
+  :data:`CHUNK` elements is read a block at a time (:func:`blocks`), so that the float64 and mask temporaries of
+  one statistic stay a block's size, not several times the tensor's: on a GPU these temporaries on the largest
+  output (a language model's logits) set the audit's peak memory (docs/memory.md, "Statistics' temporaries").
+  The counts are the same; the float64 sums differ from one whole-tensor sum only in their summation order. The
+  reference operand of :meth:`ErrorStats.update` and :func:`dot64` may be on the host while the other is on a
+  GPU: each block is copied to the GPU as it is read (no full-size copy of the reference on the GPU).
 
 :func:`python_statistics` forces the Python path (tests compare the two).
 """
@@ -58,6 +64,29 @@ def _fused(*tensors: torch.Tensor):
 
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+#: Elements per block of the Python path (2^21: a float64 temporary of one block is 16 MiB).
+CHUNK = 1 << 21
+
+
+def blocks(shape: torch.Size | tuple[int, ...], chunk: int | None = None) -> Iterator[tuple]:
+    """Indices that cut a tensor of ``shape`` into blocks of at most ``chunk`` elements (default :data:`CHUNK`),
+    in memory order: slices of the leading dimension (views of a contiguous tensor), going one dimension in where
+    a single leading index holds more than a block. ``()`` (the whole tensor) when it is no larger than one."""
+    chunk = chunk or CHUNK
+    n = math.prod(shape)
+    if n <= chunk or not shape:
+        yield ()
+        return
+    inner = n // shape[0]
+    if inner <= chunk:
+        rows = max(1, chunk // inner)
+        for i in range(0, shape[0], rows):
+            yield (slice(i, i + rows),)
+        return
+    for i in range(shape[0]):
+        for rest in blocks(shape[1:], chunk):
+            yield (i, *rest)
+
 
 def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
     """``sum(a * b)`` with float64 products and accumulation: ``float((a.double() * b.double()).sum())``, which the
@@ -66,7 +95,11 @@ def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
     ops = _fused(a, b) if a.shape == b.shape else None
     if ops is not None:
         return float(ops.dot64(a.detach(), b.detach()))
-    return float((a.detach().double() * b.detach().double()).sum())
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape or a.numel() <= CHUNK:
+        return float((a.double() * b.to(a.device).double()).sum())
+    # computed on a's device, b copied a block at a time (it may be a reference kept on the host)
+    return math.fsum(float((a[i].double() * b[i].to(a.device, torch.float64)).sum()) for i in blocks(a.shape))
 
 
 def is_fused() -> bool:
@@ -141,6 +174,11 @@ class MagnitudeHistogram:
             self.amax = max(self.amax, amax)  # 0.0 when no finite value is non-zero, as below
             self.counts += counts
             return
+        for i in blocks(x.shape):
+            self._update_python(x[i] if i else x)
+
+    def _update_python(self, x: torch.Tensor) -> None:
+        n = x.numel()
         a = x.abs().flatten()
         if a.dtype != torch.float32:
             a = a.float()  # exact: every fp16/bf16/fp8 value is a float32 value; fp64 beyond fp32 range is rare
@@ -248,6 +286,10 @@ class RangeSummary:
             self.infs += infs
             self.amax = max(self.amax, amax)
             return
+        for i in blocks(x.shape):
+            self._update_python(x[i] if i else x)
+
+    def _update_python(self, x: torch.Tensor) -> None:
         a = x.abs()
         self.total += a.numel()
         finite = torch.isfinite(a)
@@ -317,8 +359,14 @@ class ErrorStats:
             self.sum_p2 += s_p2
             self.max_abs = max(self.max_abs, max_abs)  # as the Python path: a NaN here is kept only if first
             return
-        r = ref.detach().to(torch.float64).flatten()
-        q = p.detach().to(r.device, torch.float64).flatten()
+        ref, p = ref.detach(), p.detach()
+        for i in blocks(ref.shape):  # computed on p's device (a reference on the host is copied block by block)
+            r, q = (ref[i], p[i]) if i else (ref, p)
+            self._update_python(r.to(q.device), q)
+
+    def _update_python(self, ref: torch.Tensor, p: torch.Tensor) -> None:
+        r = ref.to(torch.float64).flatten()
+        q = p.to(r.device, torch.float64).flatten()
         self.n += r.numel()
         if r.numel() == 0:
             return

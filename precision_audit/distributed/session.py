@@ -274,7 +274,7 @@ class DistributedCaptureSession(CaptureSession):
             for f, d in (diffs or {}).items():
                 # d may be in the references' file (capture/reference_store.py); the same fused product as
                 # one process's (capture/reference_pass.py, _reference_grad)
-                self._impact_log.append((rec, f, dot64(g.detach(), self._refs.on(d, g))))
+                self._impact_log.append((rec, f, dot64(g.detach(), self._refs.for_stats(d, g))))
         return hook
 
     # -- the passes, each followed by its reduction --------------------------------------------------------
