@@ -1,6 +1,7 @@
 """P1 and P5 on the models people actually train (issue 14 item 7): audit cost against one FP32 training step.
 
-    python bench/real_models.py [--models gpt2,bert,...] [--audit-args "--kernels python"] [--json out.json]
+    python bench/real_models.py [--models gpt2,bert,...] [--kernels python] [--json out.json]
+    python bench/real_models.py --device cuda --batch 8     # on a GPU: cuda mode, GPU peak memory
 
 Each model is built from transformers' default configuration with random weights (nothing is downloaded:
 ``HF_HUB_OFFLINE=1``, no ``from_pretrained``), in train mode as built, on a small batch chosen so that one FP32
@@ -82,6 +83,7 @@ CHILD = r'''
 import gc, json, os, statistics, sys, time
 os.environ["HF_HUB_OFFLINE"] = "1"; os.environ["TRANSFORMERS_OFFLINE"] = "1"
 what, model_py, sample, out, prof = sys.argv[1:6]
+device = sys.argv[7]
 import torch
 import transformers  # noqa: F401  (part of the baseline: both children import it before measuring)
 import precision_audit
@@ -94,29 +96,49 @@ def status(key):
 def reset_peak():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+cuda = device == "cuda"
+resets = []  # the peaks before each reset of the statistics (the audit's timed steps reset them)
+if cuda:
+    torch.cuda.init(); torch.cuda.synchronize()
+    _reset = torch.cuda.reset_peak_memory_stats
+    def _recording_reset(*a, **k):
+        resets.append(torch.cuda.max_memory_allocated())
+        _reset(*a, **k)
+    torch.cuda.reset_peak_memory_stats = _recording_reset
 gc.collect(); reset_peak()
 base = status("VmRSS")
-result = {"threads": torch.get_num_threads(), "module": precision_audit.__file__}
+def peak():
+    # on a GPU: the device's peak allocation (the model, its gradients and the activations: nothing is on the GPU
+    # at the baseline); on a CPU: the process's peak RSS above the post-import baseline
+    if cuda:
+        torch.cuda.synchronize()
+        return max([torch.cuda.max_memory_allocated(), *resets])
+    return status("VmHWM") - base
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+result = {"threads": torch.get_num_threads(), "module": precision_audit.__file__,
+          "device": torch.cuda.get_device_name() if cuda else "cpu"}
 if what == "step":
     import importlib.util
     spec = importlib.util.spec_from_file_location("bench_model", model_py)
     mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-    model = mod.build_model()
-    batch = torch.load(sample)
+    model = mod.build_model().to(device)
+    batch = {k: v.to(device) for k, v in torch.load(sample).items()}
     def step():
         model.zero_grad(set_to_none=True)
         out = model(**batch)
         out.loss.backward()
     step()  # warm-up: its peak is the training step's (gradients allocated, activations alive at backward)
-    result["peak_bytes"] = status("VmHWM") - base
+    result["peak_bytes"] = peak()
     times = []
-    for _ in range(3):
-        t0 = time.perf_counter(); step(); times.append(time.perf_counter() - t0)
+    for _ in range(10 if cuda else 3):
+        sync(); t0 = time.perf_counter(); step(); sync(); times.append(time.perf_counter() - t0)
     result["step_s"] = statistics.median(times)
     result["step_times"] = times
 else:
     extra = json.loads(sys.argv[6])
-    opts = AuditOptions(model=model_py, batch=sample, out=out, **extra)
+    opts = AuditOptions(model=model_py, batch=sample, out=out, device=device, **extra)
     marks = []
     def progress(msg):
         marks.append((time.perf_counter(), str(msg)))
@@ -132,10 +154,13 @@ else:
     ends = [t for t, _ in marks[1:]] + [t1]
     result["stages"] = [[m, e - t] for (t, m), e in zip(marks, ends)]
     result["load_s"] = sum(d for m, d in result["stages"] if m.startswith("loading the model"))
-    result["peak_bytes"] = status("VmHWM") - base
+    result["peak_bytes"] = peak()
     result["exit_code"] = r.exit_code
     a = json.load(open(os.path.join(out, "audit.json")))
     result["kernels"] = (a.get("emulation") or {}).get("kernels") or a["options"].get("kernels")
+    result["mode"] = a.get("mode")
+    result["measured_step_s"] = {f: ((s or {}).get("step_time") or {}).get("measured_s")
+                                 for f, s in (a.get("summary") or {}).items()}
     result["stage_s"] = {k: v for k, v in a.get("timing", {}).items()} if isinstance(a.get("timing"), dict) else None
 print(json.dumps(result))
 '''
@@ -159,11 +184,14 @@ def _batch(kind: str, batch: int, size: int, cfg) -> dict:
     return out
 
 
-def prepare(name: str, work: Path) -> tuple[Path, Path]:
+def prepare(name: str, work: Path, batch_size: int | None = None) -> tuple[Path, Path]:
+    """The model file and the sample batch of ``name`` in ``work/name`` (``batch_size`` overrides the batch's
+    first dimension)."""
     import torch
     import transformers
 
     cfg_cls, model_cls, kwargs, kind, batch, size = MODELS[name]
+    batch = batch_size or batch
     cfg = getattr(transformers, cfg_cls)(**kwargs)
     d = work / name
     d.mkdir(parents=True, exist_ok=True)
@@ -172,11 +200,12 @@ def prepare(name: str, work: Path) -> tuple[Path, Path]:
     return d / "model.py", d / "sample.pt"
 
 
-def child(what: str, model_py: Path, sample: Path, out: Path, prof: str = "", extra: dict | None = None) -> dict:
+def child(what: str, model_py: Path, sample: Path, out: Path, prof: str = "", extra: dict | None = None,
+          device: str = "cpu") -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-c", CHILD, what, str(model_py), str(sample), str(out), prof,
-                        json.dumps(extra or {})], capture_output=True, text=True, env=env)
+                        json.dumps(extra or {}), device], capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise RuntimeError(f"{what} child failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -195,6 +224,11 @@ def main() -> None:
     ap.add_argument("--kernels", default=None, help="pass --kernels to the audit (default: its own default)")
     ap.add_argument("--json", default=None, help="also write the per-model results here")
     ap.add_argument("--profile", default=None, help="write a cProfile of each audit into this folder")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the training step and the audit run (cuda: the audit in cuda mode, and the peak "
+                         "figures are the GPU's max_memory_allocated instead of the process's RSS)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="the batch's first dimension for every model (default: each model's own, above)")
     args = ap.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -203,16 +237,17 @@ def main() -> None:
     extra = {"kernels": args.kernels} if args.kernels else {}
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    print(f"{os.cpu_count()} cpus, load average {_load()} at start; audit options: defaults{extra or ''}", flush=True)
+    print(f"{os.cpu_count()} cpus, load average {_load()} at start; device {args.device}; batch "
+          f"{args.batch or 'per model'}; audit options: defaults{extra or ''}", flush=True)
     print(f"{'model':<10} {'FP32 step':>10} {'audit':>9} {'P1':>7} {'loading':>8} {'P1 after':>9} {'step peak':>10} "
           f"{'audit peak':>11} {'P5':>6} {'kernels':>9} {'load':>14}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            model_py, sample = prepare(name, Path(tmp))
-            step = child("step", model_py, sample, Path(tmp) / name / "o")
+            model_py, sample = prepare(name, Path(tmp), args.batch)
+            step = child("step", model_py, sample, Path(tmp) / name / "o", device=args.device)
             prof = str(Path(args.profile) / f"{name}.prof") if args.profile else ""
-            audit = child("audit", model_py, sample, Path(tmp) / name / "out", prof, extra)
+            audit = child("audit", model_py, sample, Path(tmp) / name / "out", prof, extra, args.device)
             p1 = audit["audit_s"] / step["step_s"]
             # the audit after the user's model file is imported and its model built (a training run pays for
             # that too; the FP32 step is timed after it)
@@ -222,7 +257,8 @@ def main() -> None:
                    "audit_s": audit["audit_s"], "p1": p1, "load_s": audit["load_s"], "p1_after_loading": p1_after,
                    "stages": audit["stages"], "step_peak_mb": step["peak_bytes"] / 2 ** 20,
                    "audit_peak_mb": audit["peak_bytes"] / 2 ** 20, "p5": p5, "kernels": audit["kernels"],
-                   "exit_code": audit["exit_code"], "load": _load(), "threads": audit["threads"]}
+                   "exit_code": audit["exit_code"], "load": _load(), "threads": audit["threads"],
+                   "device": audit["device"], "mode": audit["mode"], "measured_step_s": audit["measured_step_s"]}
             rows.append(row)
             print(f"{name:<10} {step['step_s']:>9.2f}s {audit['audit_s']:>8.1f}s {p1:>6.1f}x "
                   f"{audit['load_s']:>7.1f}s {p1_after:>8.1f}x {row['step_peak_mb']:>8.0f}MB "

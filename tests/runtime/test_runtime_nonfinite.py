@@ -63,19 +63,20 @@ def make_policy(model: nn.Module, default: str, scaling: bool) -> Policy:
 CASES = [("fp32", False), ("bf16", False), ("fp16", False), ("fp16", True)]
 
 
-def train(default: str, scaling: bool, adaptive: bool = False, promote_after: int = 3):
+def train(default: str, scaling: bool, adaptive: bool = False, promote_after: int = 3, device: str = "cpu"):
+    """STEPS steps of Net under ``default`` (tests/gpu/test_runtime_gpu.py runs it with ``device="cuda"``)."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
     policy = make_policy(model, default, scaling)
-    handle = pa.apply_policy(model, policy)
+    handle = pa.apply_policy(model, policy, device_type=device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ctl = pa.controller(model, opt, policy, device="cpu", adaptive=adaptive, promote_after=promote_after)
+    ctl = pa.controller(model, opt, policy, device=device, adaptive=adaptive, promote_after=promote_after)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
+    x, y = torch.randn(16, 16, generator=g).to(device), torch.randn(16, 4, generator=g).to(device)
     records, unchanged = [], []
     for _ in range(STEPS):
         before = copy.deepcopy(model.state_dict())
-        with pa.autocast(policy, "cpu"):
+        with pa.autocast(policy, device):
             loss = F.mse_loss(model(x).float(), y)
         rec = ctl.step(loss)
         records.append(rec)
