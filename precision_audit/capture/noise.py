@@ -35,6 +35,7 @@ import torch
 from ..formats import Format
 from ..policy.schema import named_modules
 from .records import float_tensors
+from .reference_store import Kept
 from .stats import ErrorStats, MagnitudeHistogram
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ class NoiseFloor:
     output_rel_error: float  # the FP32 output of order 2 against order 1 (relative L2)
     layers: dict[str, float] = field(default_factory=dict)  # sample: module -> relative L2 of its FP32 output
     runs: dict[Format, OrderRun] = field(default_factory=dict)  # each format's pass at the second order
-    outputs: list[torch.Tensor] | None = field(default=None, repr=False)  # the FP32 output at the second order
+    # the FP32 output at the second order, kept as the references are (on the host on a GPU, in the reference
+    # file on a CPU: capture/reference_store.py), for the format forwards and the plan's at that order
+    outputs: list[Kept] | None = field(default=None, repr=False)
     # each module's |first-order loss impact| per format at the second order (None: not measured there); None
     # on CUDA, or when that pass failed (``impacts_note`` says why)
     impacts: dict[str, dict[Format, float | None]] | None = field(default=None, repr=False)
@@ -192,7 +195,7 @@ class _Fp32Order:
         self.root_ref = (self.refs.get(id(session.model)) or [None])[0]
         self.sample = _sample(session)
         self.loss: float | None = None
-        self.outputs: list[torch.Tensor] | None = None
+        self.outputs: list[Kept] | None = None
         self.out_err = math.nan
         self.layers: dict[str, ErrorStats] = {}
 
@@ -224,12 +227,13 @@ class _Fp32Order:
 
     def output(self, out: Any, loss: torch.Tensor) -> None:
         self.loss = float(loss.detach().float())
-        self.outputs = [y.detach().clone() for y in float_tensors(out)]
-        if self.root_ref is not None and len(self.root_ref) == len(self.outputs):
+        ys = [y.detach() for y in float_tensors(out)]
+        if self.root_ref is not None and len(self.root_ref) == len(ys):
             e = ErrorStats()
-            for r, y in zip(self.root_ref, self.outputs):
+            for r, y in zip(self.root_ref, ys):
                 e.update(self.session._refs.for_stats(r, y), y)
             self.out_err = e.rel_l2
+        self.outputs = [self.session._refs.keep(y) for y in ys]
 
     def run(self) -> None:
         """A forward of its own (on CUDA, or when the repeated reference pass failed)."""
@@ -283,7 +287,7 @@ def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
         session._reset()
 
 
-def _format_forward(session, fmt: Format, ref_outputs: list[torch.Tensor] | None,
+def _format_forward(session, fmt: Format, ref_outputs: list[Kept] | None,
                     sink: dict[str, dict[Format, float]] | None = None) -> OrderRun:
     """``fmt``'s forward at this order; with ``sink``, also the |loss impact| of each call on the batch (whose
     local error is its output in this forward: capture/reference_pass.py, BatchCall), into ``sink``."""
@@ -300,7 +304,7 @@ def _format_forward(session, fmt: Format, ref_outputs: list[torch.Tensor] | None
         if ref_outputs is not None and len(ref_outputs) == len(ys):
             e = ErrorStats()
             for r, y in zip(ref_outputs, ys):
-                e.update(r, y)
+                e.update(session._refs.for_stats(r, y), y)
             err = e.rel_l2
         return OrderRun(loss=loss, output_rel_error=err)
     except Exception as e:  # reported beside the figure, never fatal: the main pass already measured it
@@ -329,7 +333,7 @@ def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> 
             if noise.outputs is not None and len(noise.outputs) == len(ys):
                 e = ErrorStats()
                 for r, y in zip(noise.outputs, ys):
-                    e.update(r, y)
+                    e.update(session._refs.for_stats(r, y), y)
                 err = e.rel_l2
             return OrderRun(loss=loss, output_rel_error=err)
         except Exception as e:  # the plan itself fails: reported as a broken plan, not a crash

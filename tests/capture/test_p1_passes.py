@@ -149,11 +149,12 @@ def test_the_noise_floors_fp32_forward_is_the_repeats_own(monkeypatch):
                 for f in s.config.formats:
                     s.format_run(f)
                 nf = measure_noise_floor(s, s.config.formats)
+                # kept as the references are (a file on a CPU): read back while the session is open
+                outputs = [s._refs.on(o, x).tolist() for o in nf.outputs or []]
         finally:
             monkeypatch.setattr(noise, "second_order_impacts", real)
         return (nf.reference_loss, nf.loss_rel, nf.output_rel_error, nf.layers,
-                {f: (r.loss, r.output_rel_error) for f, r in nf.runs.items()}, nf.impacts,
-                [o.tolist() for o in nf.outputs or []])
+                {f: (r.loss, r.output_rel_error) for f, r in nf.runs.items()}, nf.impacts, outputs)
 
     assert floor(False) == floor(True)
     assert runs == [True], "the merged path ran no FP32 forward of its own; the separate one ran one"

@@ -245,3 +245,39 @@ def test_the_passes_free_module_outputs_as_a_training_step_does():
     # d's own re-runs call its hook too: every call, pass and re-run, sees b's output freed
     assert seen["ref"] and all(seen["ref"]), seen
     assert all(seen["fp16"]) and all(seen["bf16"]), seen
+
+
+def _noise_floor(spill: bool, monkeypatch, tmp_path):
+    from precision_audit.capture.noise import measure_noise_floor
+
+    real_init = ReferenceStore.__init__
+
+    def init(self, device, spill_=True, directory=None):
+        real_init(self, device, spill=spill, directory=str(tmp_path))
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ReferenceStore, "__init__", init)
+        torch.manual_seed(0)
+        model = InPlace()
+        x = torch.randn(8, 16)
+        with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(),
+                            CaptureConfig(formats=(Format.FP16, Format.BF16), timed_steps=0)) as s:
+            s.reference_run()
+            for f in (Format.FP16, Format.BF16):
+                s.format_run(f)
+            nf = measure_noise_floor(s, s.config.formats)
+            kinds = {type(o) for o in nf.outputs or []}
+            figures = (nf.reference_loss, nf.output_rel_error,
+                       {f: (r.loss, r.output_rel_error) for f, r in nf.runs.items()})
+    return kinds, figures
+
+
+def test_the_noise_floors_fp32_outputs_are_kept_as_the_references_are(monkeypatch, tmp_path):
+    """The FP32 output at the second order, which the format forwards and the plan's at that order compare
+    against, is kept in the store (on the host on a GPU, in the file on a CPU), not as a copy on the device."""
+    kinds, spilled = _noise_floor(True, monkeypatch, tmp_path)
+    assert kinds == {Spilled}
+    kinds_in_memory, in_memory = _noise_floor(False, monkeypatch, tmp_path)
+    assert kinds_in_memory == {torch.Tensor}
+    assert spilled == in_memory
+    assert all(err is not None and err > 0 for _, err in spilled[2].values()), spilled
