@@ -368,7 +368,8 @@ def fake_cuda_audit(name: str, **options: Any) -> dict:
         root = Path(__file__).resolve().parent.parent / "sample_models" / name
         out = Path(tempfile.mkdtemp(prefix=f"fake-cuda-{name}-")) / "out"
         with FakeCuda():
-            run_audit(AuditOptions(model=str(root / "model.py"), batch=str(root / "sample.pt"), out=out,
+            batch = root / "sample.pt"  # else the model file's sample_batch()
+            run_audit(AuditOptions(model=str(root / "model.py"), batch=str(batch) if batch.exists() else None, out=out,
                                    **{"device": "cuda", "steps": 1, **options}))
         _AUDITS[key] = json.loads((out / "audit.json").read_text())
         _AUDITS[key]["_out"] = str(out)
