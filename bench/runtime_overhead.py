@@ -102,26 +102,24 @@ def main() -> None:
         scaler = torch.amp.GradScaler(dev, enabled=False)
         box: dict = {}
 
-        def by_hand():
-            with autocast():
-                loss = spec(hand(*batch.args), batch)
-            scaler.scale(loss).backward()
-            scaler.step(hand_opt)
-            scaler.update()
-            hand_opt.zero_grad(set_to_none=True)
+        def step_by_hand(net, optimizer):
+            def step():
+                with autocast():
+                    loss = spec(net(*batch.args), batch)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+            return step
+
+        by_hand = step_by_hand(hand, hand_opt)
+        # the policy's module wrappers, the step written by hand: what the controller adds
+        policy_by_hand = step_by_hand(model, opt)
 
         def with_policy():
             with autocast():
                 loss = spec(model(*batch.args), batch)
             box["controller"].step(loss)
-
-        def policy_by_hand():  # the policy's module wrappers, the step written by hand: what the controller adds
-            with autocast():
-                loss = spec(model(*batch.args), batch)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
 
         # Interleaved rounds (the order rotating), so that a machine whose load drifts affects all alike.
         # Each round: by hand; then with the policy applied, the step by hand, and with a fresh controller, one

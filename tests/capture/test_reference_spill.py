@@ -4,6 +4,7 @@ the directory, space given back as tensors are dropped, memory file systems and 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -23,13 +24,15 @@ from precision_audit.formats import Format
 from test_reference_offload import InPlace, layer_figures  # outputs written over in place after they are seen
 
 
-def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
+@contextlib.contextmanager
+def _session(spill: bool, monkeypatch, tmp_path, stores: list | None = None):
+    """A capture session of InPlace whose reference store spills to ``tmp_path`` (or keeps in memory)."""
     real_init = ReferenceStore.__init__
-    stores: list[ReferenceStore] = []
 
     def init(self, device, spill_=True, directory=None):
         real_init(self, device, spill=spill, directory=str(tmp_path))
-        stores.append(self)
+        if stores is not None:
+            stores.append(self)
 
     with monkeypatch.context() as mp:
         mp.setattr(ReferenceStore, "__init__", init)
@@ -38,13 +41,18 @@ def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
         x = torch.randn(8, 16)
         with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(),
                             CaptureConfig(formats=(Format.FP16, Format.BF16), timed_steps=0)) as s:
-            s.reference_run()
-            assert all(isinstance(r, Spilled) for calls in s._ref_outputs.values() for c in calls for r in c) \
-                == spill
-            assert os.listdir(tmp_path) == [], "the file is unlinked as soon as it is made"
-            for f in (Format.FP16, Format.BF16):
-                s.format_run(f)
-            out = layer_figures(s.result())
+            yield s
+
+
+def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
+    stores: list[ReferenceStore] = []
+    with _session(spill, monkeypatch, tmp_path, stores) as s:
+        s.reference_run()
+        assert all(isinstance(r, Spilled) for calls in s._ref_outputs.values() for c in calls for r in c) == spill
+        assert os.listdir(tmp_path) == [], "the file is unlinked as soon as it is made"
+        for f in (Format.FP16, Format.BF16):
+            s.format_run(f)
+        out = layer_figures(s.result())
     return out, stores[0]
 
 
@@ -250,25 +258,14 @@ def test_the_passes_free_module_outputs_as_a_training_step_does():
 def _noise_floor(spill: bool, monkeypatch, tmp_path):
     from precision_audit.capture.noise import measure_noise_floor
 
-    real_init = ReferenceStore.__init__
-
-    def init(self, device, spill_=True, directory=None):
-        real_init(self, device, spill=spill, directory=str(tmp_path))
-
-    with monkeypatch.context() as mp:
-        mp.setattr(ReferenceStore, "__init__", init)
-        torch.manual_seed(0)
-        model = InPlace()
-        x = torch.randn(8, 16)
-        with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(),
-                            CaptureConfig(formats=(Format.FP16, Format.BF16), timed_steps=0)) as s:
-            s.reference_run()
-            for f in (Format.FP16, Format.BF16):
-                s.format_run(f)
-            nf = measure_noise_floor(s, s.config.formats)
-            kinds = {type(o) for o in nf.outputs or []}
-            figures = (nf.reference_loss, nf.output_rel_error,
-                       {f: (r.loss, r.output_rel_error) for f, r in nf.runs.items()})
+    with _session(spill, monkeypatch, tmp_path) as s:
+        s.reference_run()
+        for f in (Format.FP16, Format.BF16):
+            s.format_run(f)
+        nf = measure_noise_floor(s, s.config.formats)
+        kinds = {type(o) for o in nf.outputs or []}
+        figures = (nf.reference_loss, nf.output_rel_error,
+                   {f: (r.loss, r.output_rel_error) for f, r in nf.runs.items()})
     return kinds, figures
 
 
