@@ -408,6 +408,8 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
         chosen = choose_verified_plan(analysis, perf, setup.formats, mixed, planner_result,
                                       plan_verifier(session, noise, analysis.reference_loss), make_policy, say)
         policy = make_policy(chosen.plan)
+        if noise is not None:  # its outputs are kept in the session's store, which closes with the session
+            noise.outputs = None
     record = _record(opts, setup, subject, run, capture, noise, analysis, perf, chosen, fp, n_modules)
     if fp8_requested(opts.formats):  # issue 16: FP8 recipes per linear layer (precision_audit/fp8/, docs/fp8.md)
         record.fp8, fp8_plan = fp8_stage(model, run.forward, run.loss_of, setup.target, opts.budget,

@@ -98,8 +98,13 @@ def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     if a.shape != b.shape or a.numel() <= CHUNK:
         return float((a.double() * b.to(a.device).double()).sum())
-    # computed on a's device, b copied a block at a time (it may be a reference kept on the host)
-    return math.fsum(float((a[i].double() * b[i].to(a.device, torch.float64)).sum()) for i in blocks(a.shape))
+    # computed on a's device, b copied a block at a time (it may be a reference kept on the host: copied as it is,
+    # then widened on the device, so the copy is a plain one ordered on the stream after the one that filled it);
+    # summed as plain floats, so that +inf in one block and -inf in another give NaN as one sum does
+    total = 0.0
+    for i in blocks(a.shape):
+        total += float((a[i].double() * b[i].to(a.device).double()).sum())
+    return total
 
 
 def is_fused() -> bool:
@@ -360,11 +365,15 @@ class ErrorStats:
             self.max_abs = max(self.max_abs, max_abs)  # as the Python path: a NaN here is kept only if first
             return
         ref, p = ref.detach(), p.detach()
+        most: list[float] = []
         for i in blocks(ref.shape):  # computed on p's device (a reference on the host is copied block by block)
             r, q = (ref[i], p[i]) if i else (ref, p)
-            self._update_python(r.to(q.device), q)
+            self._update_python(r.to(q.device), q, most)
+        # as one whole-tensor max: a NaN difference anywhere leaves max_abs as it was (nonfinite says why)
+        if most and not any(math.isnan(v) for v in most):
+            self.max_abs = max(self.max_abs, *most)
 
-    def _update_python(self, ref: torch.Tensor, p: torch.Tensor) -> None:
+    def _update_python(self, ref: torch.Tensor, p: torch.Tensor, most: list[float]) -> None:
         r = ref.to(torch.float64).flatten()
         q = p.to(r.device, torch.float64).flatten()
         self.n += r.numel()
@@ -383,7 +392,7 @@ class ErrorStats:
         self.sum_diff2 += float(torch.dot(d, d))
         self.sum_dot += float(torch.dot(r, q))
         self.sum_p2 += float(torch.dot(q, q))
-        self.max_abs = max(self.max_abs, float(d.abs().max()))
+        most.append(float(d.abs().max()))
 
     def merge(self, o: ErrorStats) -> None:
         self.n += o.n

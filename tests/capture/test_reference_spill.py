@@ -278,3 +278,16 @@ def test_the_noise_floors_fp32_outputs_are_kept_as_the_references_are(monkeypatc
     assert kinds_in_memory == {torch.Tensor}
     assert spilled == in_memory
     assert all(err is not None and err > 0 for _, err in spilled[2].values()), spilled
+
+
+def test_the_audit_drops_the_noise_floors_kept_outputs_with_its_session(tmp_path):
+    """They live in the session's store (a file on a CPU, pinned host memory on a GPU), which closes with the
+    session: the computation the audit returns holds no handle into it."""
+    from conftest import ROOT
+    from precision_audit.audit import AuditOptions, compute_audit
+
+    d = ROOT / "sample_models" / "mlp"
+    c = compute_audit(AuditOptions(model=str(d / "model.py"), batch=str(d / "sample.pt"), out=tmp_path / "o",
+                                   steps=0))
+    assert c.analysis.noise is not None and c.analysis.noise.runs, "the noise floor was measured"
+    assert c.analysis.noise.outputs is None

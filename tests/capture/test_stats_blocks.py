@@ -116,3 +116,32 @@ def test_no_temporary_is_larger_than_a_block(monkeypatch, which):
         with _LargestOutput() as whole:
             run()
         assert whole.most >= ref.numel() * 8 / 2, "the whole-tensor pass is what the blocks avoid"
+
+
+def test_blocked_dot64_of_opposite_infinities_is_nan_as_one_sum(monkeypatch):
+    """+inf in one block and -inf in another: one float64 sum gives NaN; so must the blocks (an exact summation
+    of the block sums would raise instead, inside the FP32 backward's gradient hooks)."""
+    g = torch.ones(4, 64)
+    g[0, 0], g[3, 0] = math.inf, -math.inf
+    d = torch.full((4, 64), 1e-3).to(torch.bfloat16)
+    with python_statistics():
+        whole = dot64(g, d)
+        monkeypatch.setattr(stats, "CHUNK", 64)
+        blocked = dot64(g, d)
+    assert math.isnan(whole) and math.isnan(blocked)
+
+
+def test_blocked_max_abs_ignores_a_nan_difference_as_one_pass_does(monkeypatch):
+    """p NaN where ref is finite, and a large difference in another block: one pass's max is NaN, which leaves
+    max_abs as it was; the blocks must not report the other block's maximum instead."""
+    ref = torch.zeros(4, 64)
+    p = torch.zeros(4, 64)
+    p[0, 5], p[3, 7] = math.nan, 1e30
+    with python_statistics():
+        whole = ErrorStats()
+        whole.update(ref, p)
+        monkeypatch.setattr(stats, "CHUNK", 64)
+        blocked = ErrorStats()
+        blocked.update(ref, p)
+    assert whole.max_abs == blocked.max_abs == 0.0
+    assert whole.nonfinite == blocked.nonfinite == 1
