@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything this project measures on a GPU, in one run of about five minutes on an H100/H200 (a lent GPU's
+# Everything this project measures on a GPU, in one run of about seven minutes on an H100/H200 (a lent GPU's
 # time is short: run this first, then read the logs). Needs precision-audit installed (with its test extra)
 # and a CUDA GPU; transformers for the real models. Results: bench/README.md, "On a GPU".
 #
@@ -28,6 +28,7 @@ python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda
 step gpu_tests 300 python -m pytest -m gpu tests/gpu -q -s -p no:cacheprovider -rA --durations=0
 step runtime_launch_bound 60 python bench/runtime_overhead.py --device cuda --repeats 100
 step runtime_gpu_bound 90 env PA_WIDTH=4096 PA_BATCH=8192 python bench/runtime_overhead.py --device cuda --repeats 30
+step memory_stages 180 python bench/gpu_memory_stages.py --models t5,gpt2 --batch 32
 step real_models 300 python bench/real_models.py --device cuda --batch 32 --models t5,gpt2,llama,vit \
   --json "$out/real_models.json"
 echo "done in $(( $(date +%s) - t0 ))s; logs in $out/"
