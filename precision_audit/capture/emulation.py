@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from . import compiled, cuda_kernels
-from .autocast_policy import CUDA_POLICY, CastPolicy, check_registrations
+from .autocast_policy import CastPolicy, check_registrations, installed_policy, registered_cuda_autocast_ops
 from .gemm_mode import _CONV_OPS, LOW_DTYPES, LowPrecisionGemmMode, _add_bias, _bound, _flat_tensors, _without_bias
 
 log = logging.getLogger(__name__)
@@ -512,7 +512,10 @@ class CudaAutocastPolicy:
         self.kernels = kernels
         self._lib: torch.library.Library | None = None
         self._compiled_on = False
-        self.unknown_ops, self.stale_ops = check_registrations()
+        regs = registered_cuda_autocast_ops()
+        self.unknown_ops, self.stale_ops = check_registrations(regs)
+        #: the ops this torch's CUDA autocast registers, with their policies: what the emulation installs
+        self.policy = installed_policy(regs)
         self.skipped: list[str] = []
 
     def _compiled_split(self) -> dict[CastPolicy, list[str]]:
@@ -523,7 +526,7 @@ class CudaAutocastPolicy:
             return {}
         split: dict[CastPolicy, list[str]] = {CastPolicy.LOWER_PRECISION_FP: [], CastPolicy.FP32: [],
                                               CastPolicy.FP32_SET_OPT_DTYPE: []}
-        for name, policy in CUDA_POLICY.items():
+        for name, policy in self.policy.items():
             if _resolve(name) is None:
                 continue
             if policy is CastPolicy.LOWER_PRECISION_FP:
@@ -543,7 +546,7 @@ class CudaAutocastPolicy:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                for name, policy in CUDA_POLICY.items():
+                for name, policy in self.policy.items():
                     op = _resolve(name)
                     if op is None:
                         self.skipped.append(name)
@@ -555,7 +558,7 @@ class CudaAutocastPolicy:
                         compiled.ops().enable(split[CastPolicy.LOWER_PRECISION_FP], split[CastPolicy.FP32],
                                               split[CastPolicy.FP32_SET_OPT_DTYPE])
                     self._compiled_on = _COMPILED_ACTIVE = True
-                cuda_names = set(CUDA_POLICY)
+                cuda_names = set(self.policy)
                 for reg in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
                     name = reg.removeprefix("aten::")
                     if reg.startswith("aten::") and name not in cuda_names:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from precision_audit.capture import compiled, emulation
-from precision_audit.capture.autocast_policy import CUDA_POLICY, CastPolicy
+from precision_audit.capture.autocast_policy import CastPolicy
 from precision_audit.capture.emulation import CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
 from precision_audit.capture.memory import SavedTensorCounter
 from precision_audit.capture.stats import python_statistics
@@ -129,9 +129,10 @@ def test_compiled_kernels_equal_python_kernels_forward_and_backward(kernel_dir, 
 def test_the_compiled_kernels_take_the_three_policies_and_nothing_else(kernel_dir) -> None:
     """Every GEMM-family (except einsum), fp32 and fp32-with-dtype op runs in C++; a Python kernel there
     would mean the speed-up is lost, a C++ kernel elsewhere that a policy is implemented twice."""
-    split = CudaAutocastPolicy("compiled")._compiled_split()
+    policy_obj = CudaAutocastPolicy("compiled")
+    split = policy_obj._compiled_split()
     names = {n for v in split.values() for n in v}
-    for name, policy in CUDA_POLICY.items():
+    for name, policy in policy_obj.policy.items():
         if emulation._resolve(name) is None:
             continue
         wanted = (policy in (CastPolicy.FP32, CastPolicy.FP32_SET_OPT_DTYPE) or
