@@ -82,10 +82,20 @@ def apply(model: torch.nn.Module, source: Any, shard: str | None, device: str) -
         if not any(p.requires_grad for p in model.parameters()):
             run, how = model, "replicated (no trainable parameter to synchronise)"
         else:
-            run = DDP(model, forward_sync_buffers=False, find_unused_parameters=False)
+            run = DDP(model, find_unused_parameters=False, **_no_buffer_sync_in_forward(DDP))
             how = "DistributedDataParallel"
     _sum_gradients(model, run)
     return Sharded(model=model, run_module=run, how=how, original_types=types_before)
+
+
+def _no_buffer_sync_in_forward(ddp: type) -> dict[str, bool]:
+    """DDP's option not to broadcast buffers at each forward: ``forward_sync_buffers`` from torch 2.13, which
+    deprecates ``broadcast_buffers`` (older releases have only that one; it also skips the sync at construction,
+    where every rank's buffers are the same model file's anyway)."""
+    import inspect
+
+    params = inspect.signature(ddp.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def _sum_gradients(model: torch.nn.Module, run: torch.nn.Module) -> None:

@@ -180,3 +180,24 @@ def test_shard_without_ranks_is_refused(tmp_path):
     r = audit(str(SAMPLES / "mlp" / "model.py"), "--out", str(tmp_path / "out"), "--shard", "fsdp", timeout=60)
     assert r.returncode == 2 and "--shard applies to a distributed audit only" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_ddp_gets_the_no_buffer_sync_option_its_torch_release_has():
+    """torch 2.13 added ``forward_sync_buffers`` and deprecated ``broadcast_buffers``; torch 2.11's DDP has only the
+    latter, and passing the new keyword there ended every DDP audit with an internal error (seen on 2.11.0+cu130)."""
+    from precision_audit.distributed.shard import _no_buffer_sync_in_forward
+
+    class Before213:
+        def __init__(self, module, broadcast_buffers=True, find_unused_parameters=False):
+            pass
+
+    class From213(Before213):
+        def __init__(self, module, broadcast_buffers=None, find_unused_parameters=False, forward_sync_buffers=None):
+            pass
+
+    assert _no_buffer_sync_in_forward(Before213) == {"broadcast_buffers": False}
+    assert _no_buffer_sync_in_forward(From213) == {"forward_sync_buffers": False}
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = _no_buffer_sync_in_forward(DDP)
+    assert len(kw) == 1 and not next(iter(kw.values()))
