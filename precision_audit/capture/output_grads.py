@@ -99,13 +99,15 @@ class OutputGradHooks:
 
 def autograd_nodes(loss: torch.Tensor) -> Iterator[Any]:
     """Every node of the graph behind ``loss``, once each."""
-    seen: set[int] = set()
+    # A node's Python object lives only while something holds it (torch 2.11 makes a new one per access once the
+    # last is gone): the visited ones are held here, so that an id is never reused by another node mid-walk.
+    seen: dict[int, Any] = {}
     stack = [loss.grad_fn]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         yield fn
         stack.extend(f for f, _ in fn.next_functions)
 

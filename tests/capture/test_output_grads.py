@@ -6,11 +6,14 @@ value, so every figure must be equal."""
 
 from __future__ import annotations
 
+import weakref
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from precision_audit.capture.noise import second_order_impacts
-from precision_audit.capture.output_grads import OutputGradHooks
+from precision_audit.capture.output_grads import OutputGradHooks, autograd_nodes
 from precision_audit.capture.session import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 
@@ -125,3 +128,38 @@ def test_the_audits_figures_for_a_view_changed_in_place_equal_the_copys(early):
     assert view == copy
     assert all(measured for measured, *_ in view[2].values())
     assert view[3][Format.FP16] and view[3][Format.BF16]
+
+
+class _Node:
+    """An autograd node as torch 2.11 hands it to Python: a wrapper made on access, kept only while something
+    holds it (a weak cache), so that a freed wrapper's id may come back as another node's."""
+
+    _cache: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def __init__(self, key: str, graph: dict[str, list[str]]) -> None:
+        self.key, self._graph = key, graph
+
+    @classmethod
+    def of(cls, key: str, graph: dict[str, list[str]]) -> _Node:
+        node = cls._cache.get(key)
+        if node is None:
+            node = cls(key, graph)
+            cls._cache[key] = node
+        return node
+
+    @property
+    def next_functions(self) -> tuple:
+        return tuple((_Node.of(k, self._graph), 0) for k in self._graph[self.key])
+
+
+def test_the_graph_walk_visits_every_node_once_when_node_objects_are_made_on_access():
+    # a ladder of diamonds: every node below the top reachable along two paths, 61 nodes in all
+    graph: dict[str, list[str]] = {}
+    for i in range(20):
+        graph[f"top{i}"] = [f"left{i}", f"right{i}"]
+        graph[f"left{i}"] = [f"top{i + 1}"]
+        graph[f"right{i}"] = [f"top{i + 1}"]
+    graph["top20"] = []
+    loss = SimpleNamespace(grad_fn=_Node.of("top0", graph))
+    visited = [n.key for n in autograd_nodes(loss)]
+    assert sorted(visited) == sorted(graph), f"visited {len(visited)} of {len(graph)} nodes"
