@@ -15,6 +15,7 @@ DDP a comm hook that all-reduces with a sum. Module names stay ``named_modules()
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,19 +83,20 @@ def apply(model: torch.nn.Module, source: Any, shard: str | None, device: str) -
         if not any(p.requires_grad for p in model.parameters()):
             run, how = model, "replicated (no trainable parameter to synchronise)"
         else:
-            run = DDP(model, find_unused_parameters=False, **_no_buffer_sync_in_forward(DDP))
+            no_sync: dict[str, Any] = _no_buffer_sync_in_forward(DDP)
+            run = DDP(model, find_unused_parameters=False, **no_sync)
             how = "DistributedDataParallel"
     _sum_gradients(model, run)
     return Sharded(model=model, run_module=run, how=how, original_types=types_before)
 
 
-def _no_buffer_sync_in_forward(ddp: type) -> dict[str, bool]:
+def _no_buffer_sync_in_forward(ddp: Callable[..., Any]) -> dict[str, bool]:
     """DDP's option not to broadcast buffers at each forward: ``forward_sync_buffers`` from torch 2.13, which
     deprecates ``broadcast_buffers`` (older releases have only that one; it also skips the sync at construction,
     where every rank's buffers are the same model file's anyway)."""
     import inspect
 
-    params = inspect.signature(ddp.__init__).parameters
+    params = inspect.signature(ddp).parameters
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
