@@ -263,6 +263,9 @@ class FakeCuda:
             "reset_peak_memory_stats": lambda d=None: fake._reset_peak(d),
             "empty_cache": lambda: None,
             "mem_get_info": lambda d=None: (props.total_memory - fake.memory.allocated, props.total_memory),
+            # the optimizers ask when torch is a CUDA build (no graph is ever captured here); without this, a CUDA
+            # wheel on a machine without a driver fails in optimizer.step()
+            "is_current_stream_capturing": lambda: False,
         }
         for name, value in patches.items():
             self._patch(c, name, value)

@@ -521,8 +521,7 @@ class CudaAutocastPolicy:
     def _compiled_split(self) -> dict[CastPolicy, list[str]]:
         """The ops the compiled kernels take: everything of their three policies except einsum, whose
         3-operand form needs the Python kernel's native path."""
-        global _COMPILED_ACTIVE
-        if self.kernels != "compiled" or _COMPILED_ACTIVE:  # nested inside a compiled policy: Python on top
+        if self.kernels != "compiled" or _COMPILED_ACTIVE:
             return {}
         split: dict[CastPolicy, list[str]] = {CastPolicy.LOWER_PRECISION_FP: [], CastPolicy.FP32: [],
                                               CastPolicy.FP32_SET_OPT_DTYPE: []}
@@ -536,13 +535,40 @@ class CudaAutocastPolicy:
                 split[policy].append(name)
         return split
 
+    # Nesting: the inner policy takes the outer one's registrations down while it is active and puts them back when
+    # it leaves. (torch 2.13's torch.library lets a second Python kernel override the first for the same op and
+    # key; earlier releases refuse it: "already a kernel registered from python".)
     def __enter__(self) -> CudaAutocastPolicy:
-        global _COMPILED_ACTIVE
         if self.unknown_ops:
             log.warning("CUDA autocast registers ops this emulation's table lacks: %s", ", ".join(self.unknown_ops))
+        outer = _ACTIVE[-1] if _ACTIVE else None
+        if outer is not None:
+            outer._uninstall()
+        try:
+            self._install()
+        except BaseException:
+            if outer is not None:
+                outer._install()
+            raise
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._uninstall()
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+            if _ACTIVE:
+                _ACTIVE[-1]._install()
+        elif self in _ACTIVE:  # left out of order: it was not the installed one
+            _ACTIVE.remove(self)
+
+    def _install(self) -> None:
+        global _COMPILED_ACTIVE
+        self.skipped = []
         split = self._compiled_split()
         in_cpp = {name for names in split.values() for name in names}
         lib = torch.library.Library("aten", "IMPL")
+        self._lib = lib
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -565,13 +591,10 @@ class CudaAutocastPolicy:
                         # A CPU-only autocast policy (cat/stack promote, fft in fp32, ...): CUDA has none.
                         lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
         except BaseException:
-            self._lib = lib
-            self.__exit__()
+            self._uninstall()
             raise
-        self._lib = lib
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def _uninstall(self) -> None:
         global _COMPILED_ACTIVE
         if self._compiled_on:
             with torch._C._DisableTorchDispatch():
@@ -582,6 +605,8 @@ class CudaAutocastPolicy:
             self._lib = None
 
 
+#: The CudaAutocastPolicy objects entered and not yet left, innermost last (only the last one is installed).
+_ACTIVE: list[CudaAutocastPolicy] = []
 
 
 @contextlib.contextmanager

@@ -154,17 +154,26 @@ def test_compiled_kernels_are_removed_on_exit_and_cpu_autocast_is_back(kernel_di
         assert F.layer_norm(x.to(BF16), (8,)).dtype == torch.float32
 
 
-def test_a_policy_nested_in_a_compiled_one_uses_python_kernels(kernel_dir) -> None:
+@pytest.mark.parametrize("inner_kernels", ["compiled", "python"])
+def test_a_policy_nested_in_a_compiled_one_takes_over_and_hands_back(kernel_dir, inner_kernels) -> None:
+    """The inner policy is the one installed while it is active (its own kernels), the outer one's are back after
+    it; on torch releases before 2.13, whose torch.library refuses a second Python kernel for the same op and key,
+    nesting raised "already a kernel registered from python"."""
     x = torch.randn(4, 8)
     with CudaAutocastPolicy("compiled") as outer:
-        with CudaAutocastPolicy("compiled") as inner:
-            assert not inner._compiled_on
+        assert outer._compiled_on
+        with CudaAutocastPolicy(inner_kernels) as inner:
+            assert not outer._compiled_on and outer._lib is None
+            assert inner._compiled_on is (inner_kernels == "compiled")
             with emulated_autocast(FP16):
                 assert F.softmax(x.half(), -1).dtype == torch.float32
-        assert outer._compiled_on
+        assert inner._lib is None and not inner._compiled_on
+        assert outer._compiled_on and outer._lib is not None
         with emulated_autocast(FP16):
             assert F.softmax(x.half(), -1).dtype == torch.float32
-    assert not emulation._COMPILED_ACTIVE
+    assert not emulation._COMPILED_ACTIVE and emulation._ACTIVE == []
+    with torch.autocast("cpu", dtype=FP16):  # CPU autocast's own policy once both are gone
+        assert F.softmax(x.half(), -1).dtype == FP16
 
 
 @pytest.mark.parametrize("low", [FP16, BF16], ids=["fp16", "bf16"])
