@@ -14,10 +14,10 @@ Two pieces, used together:
   natively in their real dtype, so elementwise rounding is exact; an op with no Half/BFloat16 CPU kernel
   is computed in fp32 and rounded.
 
-Ops whose CUDA kernels round more than once are modelled step by step: the elementwise ``addr`` kernel, the
-per-batch ``addbmm`` loop, ``conv_tbc``'s per-tap loop, the fused LSTM/GRU cell kernels (cuda_kernels.py),
-convolutions whose bias cuDNN leaves to a separate add, and ``linear`` on a non-contiguous input (matmul, then
-add). docs/emulation.md lists what each op's CUDA kernel does and what is left (KNOWN_GAPS), which every
+Ops whose CUDA kernels round more than once are modelled step by step (modelled_ops.py): the elementwise ``addr``
+kernel, the per-batch ``addbmm`` loop, ``conv_tbc``'s per-tap loop, the fused LSTM/GRU cell kernels
+(cuda_kernels.py), convolutions whose bias cuDNN leaves to a separate add, and ``linear`` on a non-contiguous input
+(matmul, then add). docs/emulation.md lists what each op's CUDA kernel does and what is left (KNOWN_GAPS), which every
 emulated audit states.
 """
 
@@ -27,15 +27,24 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
-from . import compiled, cuda_kernels
+from . import compiled, rounding
 from .autocast_policy import CastPolicy, check_registrations, installed_policy, registered_cuda_autocast_ops
-from .gemm_mode import _CONV_OPS, LOW_DTYPES, LowPrecisionGemmMode, _add_bias, _bound, _flat_tensors, _without_bias
+from .gemm_mode import _CONV_OPS, LowPrecisionGemmMode, _add_bias, _flat_tensors, _without_bias
+from .modelled_ops import MODELLED_OPS
+from .rounding import (  # noqa: F401 - the registry's functions are used through this module (memory.py)
+    _AUTOCAST_CPU,
+    _cast_tree,
+    _eligible,
+    _round_out,
+    _round_up,
+    rounded_info,
+    rounding_registry_paused,
+    start_rounding_registry,
+    stop_rounding_registry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,23 +69,6 @@ KNOWN_GAPS: tuple[str, ...] = (
     "RNN cells on tensors already in fp16/bf16 outside autocast run the CPU composite (rounding every gate "
     "op) instead of CUDA's fused cell kernels",
 )
-
-_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-_COMPILED_ACTIVE = False  # one CudaAutocastPolicy at a time owns the compiled kernels' registrations
-
-
-def _eligible(t: Any) -> bool:
-    # CUDA autocast: defined, on the autocast device, floating point, not float64.
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == "cpu"
-
-
-def _cast_tree(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if _eligible(x) else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cast_tree(v, dtype) for v in x)
-    return x
-
 
 def _resolve(name: str) -> torch._ops.OpOverload | None:
     base, _, overload = name.partition(".")
@@ -113,7 +105,6 @@ FP32_COMPUTE_OPS = frozenset({
 })
 
 
-
 def _einsum_sums_first(equation: str, n_operands: int) -> bool:
     """Does einsum (Linear.cpp) sum a dimension out of one operand before its pairwise bmm (a rounded sum)?"""
     if n_operands != 2:
@@ -129,108 +120,10 @@ def _einsum_sums_first(equation: str, n_operands: int) -> bool:
     return "..." not in rhs and any("..." in o for o in ops)
 
 
-class _Rounded:
-    """What the memory counter needs to know about an fp32 tensor that holds fp16/bf16 values."""
-
-    __slots__ = ("tensor", "itemsize", "from_parameter", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, itemsize: int, from_parameter: bool) -> None:
-        self.tensor = tensor
-        self.itemsize = itemsize
-        self.from_parameter = from_parameter
-
-
-# storage data_ptr -> _Rounded, only while a memory measurement runs (SavedTensorCounter: one forward pass).
-# Keyed by storage so that views (a GEMM saves weight.t()) are recognised; the entry keeps the tensor alive,
-# so the address cannot be reused while the registry exists.
-_ROUNDED: dict[int, _Rounded] | None = None
-_ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
-
-
-# The compiled kernels' control ops are torch ops: called under an active dispatch mode (the capture's op
-# tracker, LowPrecisionGemmMode) they would be seen, and counted, as the model's own ops. They run with Python
-# dispatch off.
-def _set_compiled_recording(on: bool) -> None:
-    if compiled.is_loaded():
-        with torch._C._DisableTorchDispatch():
-            compiled.ops().set_recording(on)
-
-
-def _drain_compiled() -> None:
-    """Move what the compiled kernels recorded into the registry (they keep their own list)."""
-    if _ROUNDED is None or not _COMPILED_ACTIVE:
-        return
-    with torch._C._DisableTorchDispatch():
-        tensors, itemsizes, from_parameter = compiled.ops().drain()
-    for out, itemsize, param in zip(tensors, itemsizes, from_parameter):
-        _ROUNDED[out.untyped_storage().data_ptr()] = _Rounded(out, itemsize, param)
-
-
-def start_rounding_registry() -> dict[int, _Rounded]:
-    global _ROUNDED
-    _ROUNDED = {}
-    _set_compiled_recording(True)
-    return _ROUNDED
-
-
-def stop_rounding_registry() -> None:
-    global _ROUNDED
-    _set_compiled_recording(False)
-    _ROUNDED = None
-
-
-def rounded_info(storage_ptr: int) -> _Rounded | None:
-    """The registry's entry for a storage, if a rounding made it (None when no registry runs)."""
-    if _ROUNDED is None:
-        return None
-    _drain_compiled()
-    return _ROUNDED.get(storage_ptr)
-
-
-@contextlib.contextmanager
-def rounding_registry_paused() -> Iterator[None]:
-    """No registration inside (e.g. a module re-run whose tensors are not part of the measured pass)."""
-    global _ROUNDED
-    _drain_compiled()
-    saved, _ROUNDED = _ROUNDED, None
-    if saved is not None:
-        _set_compiled_recording(False)
-    try:
-        yield
-    finally:
-        _ROUNDED = saved
-        if saved is not None:
-            _set_compiled_recording(True)
-
-
-def _register(src: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if _ROUNDED is not None:
-        _ROUNDED[out.untyped_storage().data_ptr()] = _Rounded(out, _ITEMSIZE.get(dtype, 4),
-                                                              src.is_leaf and src.requires_grad)
-    return out
-
-
-def _round_up(x: Any, dtype: torch.dtype) -> Any:
-    """Round eligible tensors to ``dtype`` and hand them on as float32 (exact: every value is an fp32 value)."""
-    if type(x) is torch.Tensor or isinstance(x, torch.Tensor):
-        if x.dtype == dtype:
-            return _register(x, x.float(), dtype)
-        return _register(x, x.to(dtype).float(), dtype) if _eligible(x) else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_round_up(v, dtype) for v in x)
-    return x
-
-
-def _round_out(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor):  # the common case, without a pytree walk
-        return x.to(dtype) if x.dtype == torch.float32 else x
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, x)
-
-
 def _make_kernel(op: torch._ops.OpOverload, policy: CastPolicy, name: str):
     """The AutocastCPU kernel of one op of CUDA autocast's table: its policy's factory (_KERNEL_FACTORIES)."""
-    if policy is CastPolicy.LOWER_PRECISION_FP and name in _MODELLED_OPS:
-        return _MODELLED_OPS[name](op, _make_kernel(op, policy, name + "#native"))
+    if policy is CastPolicy.LOWER_PRECISION_FP and name in MODELLED_OPS:
+        return MODELLED_OPS[name](op, _make_kernel(op, policy, name + "#native"))
     if policy is CastPolicy.LOWER_PRECISION_FP and name in FP32_COMPUTE_OPS:
         return _fp32_compute_kernel(op, name, _make_kernel(op, policy, name + "#native"))
     factory = _KERNEL_FACTORIES.get(policy)
@@ -363,136 +256,6 @@ _KERNEL_FACTORIES = {
 }
 
 
-
-
-def _all_low(dtype: torch.dtype, *tensors: Any) -> bool:
-    return all(t is None or (isinstance(t, torch.Tensor) and t.dtype == dtype) for t in tensors) and \
-        dtype in LOW_DTYPES
-
-
-def _gemm_low(fn, dtype: torch.dtype, *tensors: torch.Tensor | None) -> torch.Tensor:
-    """A GEMM on low-precision operands as emulated everywhere: fp32 from the rounded values, rounded once."""
-    return fn(*(None if t is None else _round_up(t, dtype) for t in tensors)).to(dtype)
-
-
-def _modelled(body):
-    """A kernel for an op whose CUDA kernel is modelled step by step (cuda_kernels.py): the autocast casts, then
-    ``body(dtype, *arguments)``, or the native composite when the inputs are not all of the autocast dtype
-    (fp64) or the shapes are ones the CUDA kernel rejects."""
-    def factory(op: torch._ops.OpOverload, native):
-        def kernel(*args, **kwargs):
-            dtype = torch.get_autocast_dtype("cpu")
-            bound = [_cast_tree(a, dtype) for a in _bound(op, args, kwargs)]
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
-                out = body(dtype, *bound)
-            return native(*args, **kwargs) if out is NotImplemented else out
-        return kernel
-    return factory
-
-
-@_modelled
-def _addr(dtype, self_, vec1, vec2, beta, alpha):
-    if not _all_low(dtype, self_, vec1, vec2) or vec1.dim() != 1 or vec2.dim() != 1:
-        return NotImplemented
-    return cuda_kernels.AddrFunction.apply(self_, vec1, vec2, beta, alpha)
-
-
-@_modelled
-def _addbmm(dtype, self_, batch1, batch2, beta, alpha):
-    if not _all_low(dtype, self_, batch1, batch2) or batch1.dim() != 3 or batch2.dim() != 3:
-        return NotImplemented
-    return cuda_kernels.AddbmmFunction.apply(self_, batch1, batch2, beta, alpha)
-
-
-def _cell_ok(dtype, x, h, *rest) -> bool:
-    return _all_low(dtype, x, h, *rest) and x.dim() == 2 and h.dim() == 2
-
-
-@_modelled
-def _fused_lstm_cell(dtype, igates, hgates, cx, b_ih, b_hh):
-    if not _cell_ok(dtype, igates, hgates, cx, b_ih, b_hh):
-        return NotImplemented
-    return cuda_kernels.FusedLSTMCellFunction.apply(igates, hgates, cx, b_ih, b_hh)
-
-
-@_modelled
-def _fused_gru_cell(dtype, igates, hgates, hx, b_ih, b_hh):
-    if not _cell_ok(dtype, igates, hgates, hx, b_ih, b_hh):
-        return NotImplemented
-    return cuda_kernels.FusedGRUCellFunction.apply(igates, hgates, hx, b_ih, b_hh)
-
-
-@_modelled
-def _lstm_cell(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
-    # RNN.cpp LSTMCell on CUDA: matmul_ih / matmul_hh (no bias), then _thnn_fused_lstm_cell.
-    if len(hx) != 2 or not _cell_ok(dtype, x, hx[0], hx[1], w_ih, w_hh, b_ih, b_hh):
-        return NotImplemented
-    igates = _gemm_low(torch.mm, dtype, x, w_ih.t())
-    hgates = _gemm_low(torch.mm, dtype, hx[0], w_hh.t())
-    hy, cy, _ = cuda_kernels.FusedLSTMCellFunction.apply(igates, hgates, hx[1], b_ih, b_hh)
-    return hy, cy
-
-
-@_modelled
-def _gru_cell(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
-    # RNN.cpp GRUCell on CUDA: matmul_ih / matmul_hh (no bias), then _thnn_fused_gru_cell.
-    if not _cell_ok(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
-        return NotImplemented
-    igates = _gemm_low(torch.mm, dtype, x, w_ih.t())
-    hgates = _gemm_low(torch.mm, dtype, hx, w_hh.t())
-    return cuda_kernels.FusedGRUCellFunction.apply(igates, hgates, hx, b_ih, b_hh)[0]
-
-
-def _simple_cell(nonlinearity):
-    @_modelled
-    def cell(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
-        # RNN.cpp SimpleCell: linear_hh(hx).add_(linear_ih(x)), then the nonlinearity, all in the low dtype;
-        # each linear is one addmm (bias included, one rounding).
-        if not _all_low(dtype, x, hx, w_ih, w_hh, b_ih, b_hh):
-            return NotImplemented
-        return nonlinearity(_gemm_low(F.linear, dtype, hx, w_hh, b_hh) + _gemm_low(F.linear, dtype, x, w_ih, b_ih))
-    return cell
-
-
-@_modelled
-def _conv_tbc(dtype, x, weight, bias, pad):
-    if not _all_low(dtype, x, weight, bias) or x.dim() != 3 or weight.dim() != 3:
-        return NotImplemented
-    return cuda_kernels.ConvTBCFunction.apply(x, weight, bias, int(pad))
-
-
-def _cudnn_conv(transposed: bool):
-    @_modelled
-    def conv(dtype, x, w, *params):
-        # cudnn_convolution(_transpose) has no CPU kernel: the same convolution, computed in fp32, rounded once.
-        if not _all_low(dtype, x, w):
-            return NotImplemented
-        if transposed:
-            padding, output_padding, stride, dilation, groups = params[:5]
-        else:
-            (padding, stride, dilation, groups), output_padding = params[:4], [0] * (x.dim() - 2)
-        return _gemm_low(lambda a, b: torch.convolution(a, b, None, stride, padding, dilation, transposed,
-                                                        output_padding, groups), dtype, x, w)
-    return conv
-
-
-_MODELLED_OPS = {
-    "addr": _addr,
-    "addbmm": _addbmm,
-    "conv_tbc": _conv_tbc,
-    "_thnn_fused_lstm_cell": _fused_lstm_cell,
-    "_thnn_fused_gru_cell": _fused_gru_cell,
-    "lstm_cell": _lstm_cell,
-    "gru_cell": _gru_cell,
-    "rnn_tanh_cell": _simple_cell(torch.tanh),
-    "rnn_relu_cell": _simple_cell(torch.relu),
-    "cudnn_convolution": _cudnn_conv(False),
-    "cudnn_convolution_transpose": _cudnn_conv(True),
-}
-
-
-
-
 class CudaAutocastPolicy:
     """While active, ``torch.autocast("cpu", dtype)`` follows CUDA autocast's op policies.
 
@@ -521,7 +284,7 @@ class CudaAutocastPolicy:
     def _compiled_split(self) -> dict[CastPolicy, list[str]]:
         """The ops the compiled kernels take: everything of their three policies except einsum, whose
         3-operand form needs the Python kernel's native path."""
-        if self.kernels != "compiled" or _COMPILED_ACTIVE:
+        if self.kernels != "compiled" or rounding._COMPILED_ACTIVE:
             return {}
         split: dict[CastPolicy, list[str]] = {CastPolicy.LOWER_PRECISION_FP: [], CastPolicy.FP32: [],
                                               CastPolicy.FP32_SET_OPT_DTYPE: []}
@@ -563,7 +326,6 @@ class CudaAutocastPolicy:
             _ACTIVE.remove(self)
 
     def _install(self) -> None:
-        global _COMPILED_ACTIVE
         self.skipped = []
         split = self._compiled_split()
         in_cpp = {name for names in split.values() for name in names}
@@ -583,7 +345,7 @@ class CudaAutocastPolicy:
                     with torch._C._DisableTorchDispatch():
                         compiled.ops().enable(split[CastPolicy.LOWER_PRECISION_FP], split[CastPolicy.FP32],
                                               split[CastPolicy.FP32_SET_OPT_DTYPE])
-                    self._compiled_on = _COMPILED_ACTIVE = True
+                    self._compiled_on = rounding._COMPILED_ACTIVE = True
                 cuda_names = set(self.policy)
                 for reg in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
                     name = reg.removeprefix("aten::")
@@ -595,11 +357,10 @@ class CudaAutocastPolicy:
             raise
 
     def _uninstall(self) -> None:
-        global _COMPILED_ACTIVE
         if self._compiled_on:
             with torch._C._DisableTorchDispatch():
                 compiled.ops().disable()
-            self._compiled_on = _COMPILED_ACTIVE = False
+            self._compiled_on = rounding._COMPILED_ACTIVE = False
         if self._lib is not None:
             self._lib._destroy()
             self._lib = None

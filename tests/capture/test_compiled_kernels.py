@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precision_audit.capture import compiled, emulation
+from precision_audit.capture import compiled, emulation, rounding
 from precision_audit.capture.autocast_policy import CastPolicy
 from precision_audit.capture.emulation import CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
 from precision_audit.capture.memory import SavedTensorCounter
@@ -171,7 +171,7 @@ def test_a_policy_nested_in_a_compiled_one_takes_over_and_hands_back(kernel_dir,
         assert outer._compiled_on and outer._lib is not None
         with emulated_autocast(FP16):
             assert F.softmax(x.half(), -1).dtype == torch.float32
-    assert not emulation._COMPILED_ACTIVE and emulation._ACTIVE == []
+    assert not rounding._COMPILED_ACTIVE and emulation._ACTIVE == []
     with torch.autocast("cpu", dtype=FP16):  # CPU autocast's own policy once both are gone
         assert F.softmax(x.half(), -1).dtype == FP16
 
