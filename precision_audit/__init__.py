@@ -54,6 +54,10 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
+        from .errors import check_torch_version
+
+        check_torch_version()  # a clear message on an old torch, not an AttributeError deep in a pass
+
         module = importlib.import_module(_LAZY[name], __name__)
         return module if name == "audit" else getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

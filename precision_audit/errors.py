@@ -8,6 +8,7 @@ prints its traceback too (README.md, "Exit codes").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 # The seeds torch's random generators accept (torch.manual_seed): --seed of the audit and of verify.
@@ -94,3 +95,42 @@ EXIT_UNSAFE = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
+
+
+#: The oldest torch release precision-audit runs on. The test suite passes on 2.9.1, 2.11.0 and 2.13.0 (README.md,
+#: "torch releases"); 2.6 lacks what the audit uses: the ``fp32_precision`` TF32 switches, ``torch.float8_e8m0fnu``
+#: (MX FP8) and FSDP2 on the gloo backend.
+MIN_TORCH = (2, 9)
+
+
+class TorchVersionError(AuditError):
+    pass
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Raise :class:`TorchVersionError` when the installed torch (or ``version``) is older than :data:`MIN_TORCH`
+    or missing. Reads the installed package's metadata: torch itself is not imported."""
+    import re
+
+    if version is None:
+        version = _installed_torch()
+        if version is None:
+            raise TorchVersionError("torch is not installed", expected=f"torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]}",
+                                    hint="pip install torch (README.md: the CPU build, or the CUDA build you "
+                                         "train with)")
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is not None and (int(m.group(1)), int(m.group(2))) < MIN_TORCH:
+        need = f"{MIN_TORCH[0]}.{MIN_TORCH[1]}"
+        raise TorchVersionError(f"torch {version} is older than precision-audit supports",
+                                expected=f"torch >= {need}", found=f"torch {version}",
+                                hint=f"pip install 'torch>={need}' (the build you train with: CPU or your CUDA)")
+
+
+@functools.cache
+def _installed_torch() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None

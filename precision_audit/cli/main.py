@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError
+from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError, check_torch_version
 from .commands import AUDIT, find
 
 __all__ = ["INTERRUPTED_LINE", "main", "run_command"]
@@ -66,6 +66,8 @@ def run_command(argv: list[str]) -> int:
     """
     command, rest = find(argv)
     try:
+        if not {"-h", "--help", "--version"} & set(argv):
+            check_torch_version()
         return command.load()(rest)
     except AuditError as e:
         return _user_error(e)

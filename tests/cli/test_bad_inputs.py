@@ -724,3 +724,36 @@ def test_backward_failing_only_in_low_precision_is_reported_not_a_traceback(tmp_
     else:
         warnings = json.loads((out / "audit.json").read_text())["warnings"]
         assert any("fp16 pass not measured" in w and "float32 gradients only" in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize(("version", "refused"), [("2.6.0+cu124", True), ("2.8.0", True), ("1.13.1", True),
+                                                  ("2.9.1+cu128", False), ("2.13.0+cpu", False),
+                                                  ("2.14.0a0+gitabc", False), ("3.0.0", False)])
+def test_torch_older_than_the_supported_one_is_refused_by_its_version(version, refused):
+    from precision_audit.errors import TorchVersionError, check_torch_version
+
+    if not refused:
+        check_torch_version(version)
+        return
+    with pytest.raises(TorchVersionError) as e:
+        check_torch_version(version)
+    assert f"found:    torch {version}" in e.value.message and "expected: torch >= 2.9" in e.value.message
+
+
+def test_an_old_torch_gets_one_message_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """torch 2.6 ran the audit into AttributeErrors (no fp32_precision TF32 switches, no float8_e8m0fnu, FSDP2
+    without gloo); the command line and the package's lazy names now say what is wrong first."""
+    import precision_audit
+    from precision_audit import errors
+
+    monkeypatch.setattr(errors, "_installed_torch", lambda: "2.6.0+cu124")
+    out = tmp_path / "out"
+    code = main([str(ROOT / "sample_models" / "mlp" / "model.py"), "--out", str(out), "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and not out.exists()
+    assert err.startswith("precision-audit: error: torch 2.6.0+cu124 is older than precision-audit supports")
+    assert "fix: pip install 'torch>=2.9'" in err
+    with pytest.raises(errors.TorchVersionError):
+        precision_audit.__getattr__("apply_policy")
+    monkeypatch.setattr(errors, "_installed_torch", lambda: None)
+    assert main(["targets"]) == 2 and "torch is not installed" in capsys.readouterr().err
