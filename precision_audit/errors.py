@@ -128,9 +128,19 @@ def check_torch_version(version: str | None = None) -> None:
 
 @functools.cache
 def _installed_torch() -> str | None:
+    """The version of the torch this process uses: torch's own once imported, else its package metadata (None when
+    neither exists). A torch without metadata that can still be imported (a source tree on the path) is imported."""
+    import importlib.util
+    import sys
     from importlib import metadata
 
+    if "torch" in sys.modules:
+        return str(sys.modules["torch"].__version__)
     try:
         return metadata.version("torch")
     except metadata.PackageNotFoundError:
-        return None
+        if importlib.util.find_spec("torch") is None:
+            return None
+        import torch
+
+        return str(torch.__version__)

@@ -76,7 +76,7 @@ CUDA_POLICY: dict[str, CastPolicy] = {
 }
 
 #: Ops CUDA autocast registers that the emulation leaves alone on purpose, each with the reason; they are not
-#: reported as unknown (docs/emulation.md, "Known gaps"; a model that uses them gets its own warning).
+#: reported as unknown (docs/emulation.md, "Known gaps"; a model with an nn.LSTM / nn.GRU gets its own warning).
 UNMODELLED: dict[str, str] = {
     "_cudnn_rnn": "nn.LSTM / nn.GRU through cuDNN (CUDA builds only): the emulation leaves them in fp32",
     # torch 2.11's autocast_mode.h lists these fp32_set_opt_dtype / fp32_append_dtype overloads; torch 2.13 removed

@@ -96,7 +96,7 @@ def _dtype_arg(op: torch._ops.OpOverload) -> tuple[int | None, bool]:
 # linalg_vecdot ((x * y).sum(-1): every product rounded), chain_matmul / linalg_multi_dot, prelu (its weight
 # gradient rounds every product before the sum), and einsum with more than two operands or with a dimension
 # summed out of one operand.
-# Nor the ops whose CUDA kernels are modelled step by step (_MODELLED_OPS, cuda_kernels.py).
+# Nor the ops whose CUDA kernels are modelled step by step (modelled_ops.MODELLED_OPS, cuda_kernels.py).
 FP32_COMPUTE_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "linear", "matmul", "einsum",
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d.input",
@@ -358,6 +358,9 @@ class CudaAutocastPolicy:
 
     def _uninstall(self) -> None:
         if self._compiled_on:
+            # what the compiled kernels rounded so far goes into the registry first: once they are off (an inner
+            # policy in force, or this one left) nothing drains their records
+            rounding._drain_compiled()
             with torch._C._DisableTorchDispatch():
                 compiled.ops().disable()
             self._compiled_on = rounding._COMPILED_ACTIVE = False

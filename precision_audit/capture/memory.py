@@ -3,7 +3,7 @@
 Each saved tensor is counted once per storage and attributed to the innermost module running when it was
 saved. Parameters (and views of them) are not activations and are left out; low-precision copies of
 parameters (autocast's weight casts) are counted apart. In emulated mode the GEMM inputs are fp32 tensors
-holding fp16/bf16 values (see emulation.py); they are registered there and counted at the size they have on
+holding fp16/bf16 values (see rounding.py); they are registered there and counted at the size they have on
 a GPU.
 """
 

@@ -322,3 +322,24 @@ def test_a_library_that_cannot_be_loaded_falls_back_or_explains(tmp_path, monkey
     with pytest.raises(AuditError, match="cannot be loaded") as e:
         compiled.resolve("compiled")
     assert "build-kernels" in e.value.message
+
+
+@pytest.mark.parametrize("inner_kernels", ["python", "compiled"])
+def test_a_nested_policy_keeps_what_the_outer_compiled_kernels_rounded(kernel_dir, inner_kernels) -> None:
+    """The memory counter's registry finds the rounded GEMM operands the outer policy's compiled kernels made, also
+    while an inner policy is in force (their records are drained before the kernels are switched off: otherwise
+    they counted at fp32 size, found by review)."""
+    w, x = torch.randn(8, 8, requires_grad=True), torch.randn(4, 8)
+    with CudaAutocastPolicy("compiled"):
+        rounding.start_rounding_registry()
+        try:
+            with emulated_autocast(FP16):
+                y = torch.mm(x, w)
+            mm = y.grad_fn.next_functions[0][0]
+            ptrs = [t.untyped_storage().data_ptr() for t in (mm._saved_self, mm._saved_mat2) if t is not None]
+            assert ptrs
+            with CudaAutocastPolicy(inner_kernels):
+                assert all(rounding.rounded_info(p) is not None for p in ptrs)
+            assert all(rounding.rounded_info(p) is not None for p in ptrs)
+        finally:
+            rounding.stop_rounding_registry()
