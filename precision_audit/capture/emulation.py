@@ -317,13 +317,15 @@ class CudaAutocastPolicy:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._uninstall()
-        if _ACTIVE and _ACTIVE[-1] is self:
-            _ACTIVE.pop()
-            if _ACTIVE:
-                _ACTIVE[-1]._install()
-        elif self in _ACTIVE:  # left out of order: it was not the installed one
-            _ACTIVE.remove(self)
+        try:
+            self._uninstall()
+        finally:  # off the stack whatever happened, so that a failed exit does not leave it in force for good
+            if _ACTIVE and _ACTIVE[-1] is self:
+                _ACTIVE.pop()
+                if _ACTIVE:
+                    _ACTIVE[-1]._install()
+            elif self in _ACTIVE:  # left out of order: it was not the installed one
+                _ACTIVE.remove(self)
 
     def _install(self) -> None:
         self.skipped = []

@@ -1026,3 +1026,22 @@ def test_fp32_compute_ops_are_lower_precision_table_ops() -> None:
 
 if __name__ == "__main__" and "--oracle" in sys.argv:
     _oracle_main(json.loads(sys.stdin.read()))
+
+
+def test_policies_left_out_of_order_keep_the_innermost_in_force_until_it_leaves() -> None:
+    x = torch.randn(4, 6).to(FP16)
+
+    def layer_norm_dtype() -> torch.dtype:
+        with torch.autocast("cpu", dtype=FP16, cache_enabled=False):
+            return F.layer_norm(x, (6,)).dtype
+
+    outer, inner = CudaAutocastPolicy(), CudaAutocastPolicy()
+    outer.__enter__()
+    inner.__enter__()
+    try:
+        assert outer._lib is None and inner._lib is not None  # only the innermost is installed
+        outer.__exit__(None, None, None)  # out of order: the inner one stays in force
+        assert emulation._ACTIVE == [inner] and layer_norm_dtype() == F32
+    finally:
+        inner.__exit__(None, None, None)
+    assert emulation._ACTIVE == [] and layer_norm_dtype() == FP16  # CPU autocast's own policy is back
