@@ -34,17 +34,7 @@ from . import compiled, rounding
 from .autocast_policy import CastPolicy, check_registrations, installed_policy, registered_cuda_autocast_ops
 from .gemm_mode import _CONV_OPS, LowPrecisionGemmMode, _add_bias, _flat_tensors, _without_bias
 from .modelled_ops import MODELLED_OPS
-from .rounding import (  # noqa: F401 - the registry's functions are used through this module (memory.py)
-    _AUTOCAST_CPU,
-    _cast_tree,
-    _eligible,
-    _round_out,
-    _round_up,
-    rounded_info,
-    rounding_registry_paused,
-    start_rounding_registry,
-    stop_rounding_registry,
-)
+from .rounding import _AUTOCAST_CPU, _cast_tree, _eligible, _round_out, _round_up
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import emulation
+from . import rounding
 from .shards import local_tensor
 
 
@@ -77,7 +77,7 @@ class SavedTensorCounter:
         if ptr in self._param_ptrs:
             return
         nbytes = storage.nbytes()
-        info = emulation.rounded_info(ptr) if self._counting else None
+        info = rounding.rounded_info(ptr) if self._counting else None
         if info is not None:
             nbytes = nbytes * info.itemsize // info.tensor.element_size()
             if info.from_parameter:
@@ -93,7 +93,7 @@ class SavedTensorCounter:
             self.tally.by_module[mid] = self.tally.by_module.get(mid, 0) + nbytes
 
     def __enter__(self) -> SavedTensorCounter:
-        emulation.start_rounding_registry()
+        rounding.start_rounding_registry()
         self._counting = True
         self._hooks = hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -102,7 +102,7 @@ class SavedTensorCounter:
     def __exit__(self, *exc: object) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
-        emulation.stop_rounding_registry()
+        rounding.stop_rounding_registry()
         self._counting = False
 
 

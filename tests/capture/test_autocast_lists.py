@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from precision_audit.capture.autocast_policy import registered_cuda_autocast_ops
 from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast
 from test_cuda_kernel_models import addr_model, as_list, gru_model, lstm_model, tensor
+from test_emulation import ADDED_IN_2_13
 
 FP16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 # the lists call chain_matmul and cross without dim, both deprecated
@@ -355,8 +356,8 @@ def _compare(out: Any, ref: Any, what: str) -> None:
 def test_the_lists_hold_what_this_emulation_was_checked_against(lists) -> None:
     held = {name: {raw[0] for raw in getattr(lists, name)} for name in LISTS}
     expected = dict(EXPECTED_OPS)
-    if "rms_norm" not in registered_cuda_autocast_ops():  # torch before 2.13: no rms_norm in CUDA autocast, nor here
-        expected["torch_fp32"] = expected["torch_fp32"] - {"rms_norm"}
+    # torch before 2.13: no rms_norm in CUDA autocast, nor in these lists
+    expected["torch_fp32"] = expected["torch_fp32"] - (ADDED_IN_2_13 - registered_cuda_autocast_ops())
     for name, ops in expected.items():
         assert held[name] == ops, (
             f"torch {torch.__version__} changed AutocastTestLists.{name}: added {sorted(held[name] - ops)}, removed "
