@@ -45,7 +45,7 @@ using c10::IValue;
 
 std::unique_ptr<torch::Library> g_lib;
 
-// Rounded copies made while a memory measurement runs (emulation.py's rounding registry): the fp32 tensor
+// Rounded copies made while a memory measurement runs (rounding.py's rounding registry): the fp32 tensor
 // that holds low-precision values, its itemsize on a GPU, and whether it was made from a parameter.
 bool g_recording = false;
 std::vector<std::tuple<at::Tensor, int64_t, bool>> g_records;
@@ -285,93 +285,193 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::List<bool>> drain
 // double accumulation, as the Python path's float64 copies), elements whose reference is not finite left out.
 // Returns ([ref_nonfinite, nonfinite] int64, [sum_ref2, sum_diff2, sum_dot, sum_p2, max_abs] float64).
 
-struct BucketTable {
-  // Normal floats: bucket = base[biased exponent] + number of the binade's inner edges <= |x|, the inner edges
-  // padded to kInner with +inf so that the count is branch-free. Subnormals (and edge lists without every
-  // power of two of the normal range, or with more inner edges in a binade) use a binary search.
-  static constexpr int kInner = 4;
+// The bucket of a finite |x| > 0 from its float32 bits, without a search. Positive floats order as their bits, so
+// the cell `bits >> 19` (the exponent and the top four mantissa bits) fixes the bucket up to the edges strictly
+// inside the cell; every cell of a normal binade holds at most two of them here (the FP16 maximum 65504 and its
+// overflow threshold 65520, at every loss scale, share a cell), so
+//     bucket = base + (low >= t1) + (low >= t2),   low = bits & 0x7FFFF,
+// with an absent edge's threshold 0x80000, above every `low`. One 64-bit word per cell holds base | t1 | t2.
+// Cells of exponent 0 (zero and the subnormals) map to the extra bucket `sub`, which the pass resolves afterwards
+// (zeros are counted apart; a subnormal, rare in any model, by a binary search); inf and NaN to `special`.
+// An edge list with more edges in a cell (or none: RangeSummary) takes the binary search for every value.
+struct CellTable {
+  static constexpr int kShift = 19;
+  static constexpr uint32_t kLow = (1u << kShift) - 1, kNone = 1u << kShift, kInf = 0x7f800000u;
+  static constexpr uint32_t kCells = (kInf >> kShift) + 1;
   bool fast = false;
-  int64_t base[256] = {};
-  float inner[256][kInner];
-  const float* edges = nullptr;
-  int64_t n = 0;
+  int64_t n = 0, sub = 0, special = 0;  // edges; the two extra buckets
+  std::vector<float> edges;
+  std::vector<uint64_t> cell;
 
-  BucketTable(const float* e, int64_t size) : edges(e), n(size) {
-    for (auto& row : inner) {
-      for (float& v : row) v = std::numeric_limits<float>::infinity();
-    }
-    int64_t j = 0;
-    for (int exp = 1; exp <= 254; ++exp) {
-      const float lo = std::ldexp(1.0f, exp - 127);
-      while (j < n && edges[j] < lo) ++j;
-      if (j >= n || edges[j] != lo) return;
-    }
-    for (int exp = 1; exp <= 254; ++exp) {
-      const float lo = std::ldexp(1.0f, exp - 127);
-      const float* p = std::upper_bound(edges, edges + n, lo);
-      base[exp] = p - edges;
-      const float hi = exp < 254 ? std::ldexp(1.0f, exp - 126) : std::numeric_limits<float>::infinity();
-      int k = 0;
-      for (; p < edges + n && *p < hi; ++p, ++k) {
-        if (k == kInner) return;
-        inner[exp][k] = *p;
+  static float from_bits(uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+  }
+  static uint32_t to_bits(float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return b;
+  }
+
+  explicit CellTable(const float* e, int64_t size) : n(size), sub(size + 1), special(size + 2), edges(e, e + size) {
+    if (size + 2 > 0xFFFF) return;  // the base must fit its 16 bits
+    cell.assign(kCells, 0);
+    for (uint32_t c = 0; c < kCells; ++c) {
+      const uint32_t lo = c << kShift;
+      if ((lo >> 23) == 0) {
+        cell[c] = pack(sub, kNone, kNone);
+        continue;
       }
+      if (lo >= kInf) {
+        cell[c] = pack(special, kNone, kNone);
+        continue;
+      }
+      const float* p = std::upper_bound(edges.data(), edges.data() + n, from_bits(lo));
+      const uint64_t base = p - edges.data();
+      uint32_t t[2] = {kNone, kNone};
+      int k = 0;
+      for (; p < edges.data() + n && to_bits(*p) < lo + kNone; ++p, ++k) {
+        if (k == 2) return;  // three edges in one cell: not this table's case
+        t[k] = to_bits(*p) & kLow;
+      }
+      cell[c] = pack(base, t[0], t[1]);
     }
     fast = true;
   }
 
-  int64_t operator()(float a) const {  // a finite and > 0
-    uint32_t bits;
-    std::memcpy(&bits, &a, sizeof bits);
-    const uint32_t exp = bits >> 23;
-    if (fast && exp != 0) {
-      const float* in = inner[exp];
-      return base[exp] + (in[0] <= a) + (in[1] <= a) + (in[2] <= a) + (in[3] <= a);
-    }
-    return std::upper_bound(edges, edges + n, a) - edges;
+  static uint64_t pack(uint64_t base, uint64_t t1, uint64_t t2) { return base | t1 << 16 | t2 << 36; }
+
+  int64_t bucket(uint32_t bits) const {  // bits of a finite float32 > 0
+    const uint64_t w = cell[std::min(bits, kInf) >> kShift];
+    const uint32_t low = bits & kLow;
+    return static_cast<int64_t>(w & 0xFFFF) + (low >= ((w >> 16) & 0xFFFFF)) + (low >= (w >> 36));
+  }
+
+  int64_t search(float a) const { return std::upper_bound(edges.data(), edges.data() + n, a) - edges.data(); }
+};
+
+// One table per thread, rebuilt when the edges differ from the last call's (they are the same tensor every call).
+const CellTable& cell_table(const float* e, int64_t size) {
+  thread_local std::unique_ptr<CellTable> table;
+  if (!table || table->n != size || !std::equal(e, e + size, table->edges.data())) {
+    table = std::make_unique<CellTable>(e, size);
+  }
+  return *table;
+}
+
+inline uint32_t abs_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof b);
+  return b & 0x7fffffffu;
+}
+
+inline float finite_or_zero(float a, uint32_t bits) { return bits < CellTable::kInf ? a : 0.0f; }
+
+// The statistics of one chunk, branch-free per element (zeros, NaNs and infs come from the bits).
+struct ChunkCounts {
+  int64_t zeros = 0, nans = 0, infs = 0;
+  float amax = 0.0f;
+  void add(uint32_t bits, float a) {
+    zeros += bits == 0;
+    infs += bits == CellTable::kInf;
+    nans += bits > CellTable::kInf;
+    const float f = finite_or_zero(a, bits);
+    amax = f > amax ? f : amax;
   }
 };
 
 template <typename T>
-void range_pass(const T* x, int64_t numel, const BucketTable* table, int64_t nbuckets, int64_t* counts,
+void chunk_buckets(const T* x, int64_t lo, int64_t hi, const CellTable& table, std::vector<int64_t>& out,
+                   ChunkCounts& cc) {
+  const int64_t nb = table.n + 1;
+  if (!table.fast) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const float a = std::fabs(static_cast<float>(x[i]));
+      const uint32_t bits = abs_bits(a);
+      cc.add(bits, a);
+      if (bits != 0 && bits < CellTable::kInf) ++out[table.search(a)];
+    }
+    return;
+  }
+  // four interleaved histograms (of the buckets and the two extra ones), so that runs of equal buckets do not
+  // wait on one counter
+  const int64_t width = nb + 2;
+  std::vector<uint32_t> lanes(4 * width, 0);
+  for (int64_t i = lo; i < hi; ++i) {
+    const float a = std::fabs(static_cast<float>(x[i]));
+    const uint32_t bits = abs_bits(a);
+    cc.add(bits, a);
+    ++lanes[(i & 3) * width + table.bucket(bits)];
+  }
+  for (int64_t b = 0; b < nb; ++b) out[b] += lanes[b] + lanes[width + b] + lanes[2 * width + b] + lanes[3 * width + b];
+  const int64_t sub = lanes[table.sub] + lanes[width + table.sub] + lanes[2 * width + table.sub] +
+                      lanes[3 * width + table.sub];
+  if (sub > cc.zeros) {  // subnormals: a second look at this chunk, still in cache
+    for (int64_t i = lo; i < hi; ++i) {
+      const float a = std::fabs(static_cast<float>(x[i]));
+      const uint32_t bits = abs_bits(a);
+      if (bits != 0 && bits < 0x00800000u) ++out[table.search(a)];
+    }
+  }
+}
+
+// Zeros, NaNs, infs and the largest finite |x| of x[lo:hi] (at most one chunk: 32-bit counts), one `omp simd`
+// loop (counts and a maximum are exact in any order). The sign is cleared on the bits, not by std::fabs, which
+// keeps GCC from vectorizing the loop.
+template <typename T>
+void range_lanes(const T* x, int64_t lo, int64_t hi, ChunkCounts& cc) {
+  int32_t zeros = 0, nans = 0, infs = 0;
+  float amax = 0.0f;
+#pragma omp simd reduction(+ : zeros, nans, infs) reduction(max : amax)
+  for (int64_t i = lo; i < hi; ++i) {
+    const float v = static_cast<float>(x[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    bits &= 0x7fffffffu;
+    float a;
+    std::memcpy(&a, &bits, sizeof a);
+    zeros += bits == 0;
+    infs += bits == CellTable::kInf;
+    nans += bits > CellTable::kInf;
+    const float f = bits < CellTable::kInf ? a : 0.0f;
+    amax = f > amax ? f : amax;
+  }
+  cc.zeros += zeros;
+  cc.nans += nans;
+  cc.infs += infs;
+  cc.amax = std::max(cc.amax, amax);
+}
+
+template <typename T>
+void range_pass(const T* x, int64_t numel, const CellTable* table, int64_t nbuckets, int64_t* counts,
                 int64_t* special, float* amax_out) {
   const int64_t grain = 1 << 15;
   const int64_t chunks = std::max<int64_t>(1, (numel + grain - 1) / grain);
   std::vector<std::vector<int64_t>> part_counts(chunks);
-  std::vector<std::array<int64_t, 3>> part_special(chunks, {0, 0, 0});
-  std::vector<float> part_amax(chunks, 0.0f);
+  std::vector<ChunkCounts> part(chunks);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t lo = c * grain, hi = std::min(numel, lo + grain);
-      std::vector<int64_t> local;
-      if (table) local.assign(4 * nbuckets, 0);
-      int64_t zeros = 0, nans = 0, infs = 0;
-      float amax = 0.0f;
-      for (int64_t i = lo; i < hi; ++i) {
-        const float a = std::fabs(static_cast<float>(x[i]));
-        if (!std::isfinite(a)) {
-          if (std::isnan(a)) ++nans; else ++infs;
-          continue;
-        }
-        if (a == 0.0f) {
-          ++zeros;
-          continue;
-        }
-        amax = a > amax ? a : amax;
-        if (table) ++local[(i & 3) * nbuckets + (*table)(a)];
+      ChunkCounts cc;
+      if (table) {
+        part_counts[c].assign(nbuckets, 0);
+        chunk_buckets(x, lo, hi, *table, part_counts[c], cc);
+      } else {  // no buckets: four lanes per count and maximum, in blocks of four, for the vectorizer
+        range_lanes(x, lo, hi, cc);
       }
-      part_counts[c] = std::move(local);
-      part_special[c] = {zeros, nans, infs};
-      part_amax[c] = amax;
+      part[c] = cc;
     }
   });
   float amax = 0.0f;
   for (int64_t c = 0; c < chunks; ++c) {
     if (table) {
-      for (int64_t b = 0; b < 4 * nbuckets; ++b) counts[b % nbuckets] += part_counts[c][b];
+      for (int64_t b = 0; b < nbuckets; ++b) counts[b] += part_counts[c][b];
     }
-    for (int k = 0; k < 3; ++k) special[k] += part_special[c][k];
-    amax = std::max(amax, part_amax[c]);
+    special[0] += part[c].zeros;
+    special[1] += part[c].nans;
+    special[2] += part[c].infs;
+    amax = std::max(amax, part[c].amax);
   }
   *amax_out = amax;
 }
@@ -388,10 +488,9 @@ std::tuple<at::Tensor, at::Tensor, double> range_stats(const at::Tensor& x_in, c
   at::Tensor counts = at::zeros({nbuckets}, at::kLong);
   at::Tensor special = at::zeros({3}, at::kLong);
   float amax = 0.0f;
-  std::unique_ptr<BucketTable> table;
-  if (edges.defined()) table = std::make_unique<BucketTable>(edges.data_ptr<float>(), edges.numel());
+  const CellTable* table = edges.defined() ? &cell_table(edges.data_ptr<float>(), edges.numel()) : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "range_stats", [&] {
-    range_pass<scalar_t>(x.data_ptr<scalar_t>(), x.numel(), table.get(), nbuckets, counts.data_ptr<int64_t>(),
+    range_pass<scalar_t>(x.data_ptr<scalar_t>(), x.numel(), table, nbuckets, counts.data_ptr<int64_t>(),
                          special.data_ptr<int64_t>(), &amax);
   });
   return {counts, special, static_cast<double>(amax)};
@@ -480,8 +579,12 @@ double dot_pass(const A* a, const B* b, int64_t numel) {
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t lo = c * grain, hi = std::min(numel, lo + grain);
-      double s[4] = {0, 0, 0, 0};
-      for (int64_t i = lo; i < hi; ++i) s[i & 3] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+      double s[4] = {0, 0, 0, 0};  // element i in lane i % 4, in blocks of four (lo is a multiple of four)
+      int64_t i = lo;
+      for (; i + 4 <= hi; i += 4) {
+        for (int l = 0; l < 4; ++l) s[l] += static_cast<double>(a[i + l]) * static_cast<double>(b[i + l]);
+      }
+      for (int l = 0; i < hi; ++i, ++l) s[l] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
       part[c] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   });

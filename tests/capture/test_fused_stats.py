@@ -91,6 +91,26 @@ def test_histogram_equals_a_brute_force_count(fused, dtype):
     assert (h.total, h.zeros, h.nans, h.infs, h.amax) == (x.numel(), zeros, nans, infs, amax)
 
 
+@pytest.mark.parametrize("edges", [
+    [1.0, 1.0 + 2 ** -20, 1.0 + 2 ** -19, 1.0 + 3 * 2 ** -20, 2.0],  # three edges inside one cell (1, 1 + 2^-4)
+    [2.0 ** -140, 2.0 ** -130, 0.75, 1.5, 1.75, 3.0],                 # subnormal edges; no power of two in most binades
+    [float(2 ** k) for k in range(-126, 128)] + [1.25, 1.2500001, 40.0],  # every binade, two edges in one cell
+], ids=["three-in-a-cell", "sparse", "two-in-a-cell"])
+def test_bucket_counts_of_any_edge_list_equal_bucketize(fused, edges):
+    """range_stats' buckets against torch.bucketize(right=True), for edge lists its cell table holds (at most two
+    edges inside a cell) and ones it does not (the binary search), over hostile values in every chunk layout."""
+    e = torch.tensor(sorted(set(edges)), dtype=torch.float32)
+    x = torch.cat([hostile(torch.float32, 70_000), e, -torch.nextafter(e, torch.zeros(1)),
+                   torch.nextafter(e, torch.full((1,), float("inf"))), 1.0 + torch.rand(5000) / 8])
+    counts, special, amax = compiled.ops().range_stats(x, e)
+    a = x.abs()
+    ok = torch.isfinite(a) & (a != 0)
+    want = torch.bincount(torch.bucketize(a[ok], e, right=True), minlength=e.numel() + 1)
+    assert counts.tolist() == want.tolist()
+    assert special.tolist() == [int((a == 0).sum()), int(a.isnan().sum()), int(a.isinf().sum())]
+    assert amax == float(a[ok].max())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_and_python_paths_agree_on_every_field(fused, dtype):
     x = hostile(dtype)
@@ -273,7 +293,9 @@ def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path, monkeypatc
     monkeypatch.setattr(cpp_extension, "load", load)
     with caplog.at_level(logging.WARNING, logger="precision_audit"):
         path, _ = compiled.build()
-    assert calls == [["-O2", "-fopenmp", "-fopenmp"], ["-O2"]] and path.is_file()
+    without = [f for f in compiled.BUILD_FLAGS if f != "-fopenmp"]
+    assert "-fopenmp" in compiled.BUILD_FLAGS and without
+    assert calls == [[*compiled.BUILD_FLAGS, "-fopenmp"], without] and path.is_file()
     assert "without OpenMP" in caplog.records[-1].getMessage()
     monkeypatch.setattr(compiled, "_loaded", None)
 
