@@ -360,6 +360,42 @@ const CellTable& cell_table(const float* e, int64_t size) {
   return *table;
 }
 
+// Element to float32, exactly as static_cast<float> does, in forms the vectorizer takes: bf16 is its bits shifted
+// up; IEEE half is c10::detail::fp16_ieee_to_fp32_value's portable arithmetic with a mask instead of the branch
+// GCC makes of its ternary (the same bits for all 65536 values: tests/capture/test_fused_stats.py).
+inline float to_float(float v) { return v; }
+inline float to_float(double v) { return static_cast<float>(v); }
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t b = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+inline float to_float(c10::Half v) {
+  auto as_float = [](uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+  };
+  auto as_bits = [](float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return b;
+  };
+  const uint32_t w = static_cast<uint32_t>(v.x) << 16;
+  const uint32_t two_w = w + w;
+  const float normal = as_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float subnormal = as_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t sub = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones for a subnormal or zero
+  return as_float((w & 0x80000000u) | (as_bits(subnormal) & sub) | (as_bits(normal) & ~sub));
+}
+// ... and to double (exact from any of them).
+template <typename T>
+inline double to_double(T v) {
+  return static_cast<double>(to_float(v));
+}
+inline double to_double(double v) { return v; }
+
 inline uint32_t abs_bits(float v) {
   uint32_t b;
   std::memcpy(&b, &v, sizeof b);
@@ -387,7 +423,7 @@ void chunk_buckets(const T* x, int64_t lo, int64_t hi, const CellTable& table, s
   const int64_t nb = table.n + 1;
   if (!table.fast) {
     for (int64_t i = lo; i < hi; ++i) {
-      const float a = std::fabs(static_cast<float>(x[i]));
+      const float a = std::fabs(to_float(x[i]));
       const uint32_t bits = abs_bits(a);
       cc.add(bits, a);
       if (bits != 0 && bits < CellTable::kInf) ++out[table.search(a)];
@@ -399,7 +435,7 @@ void chunk_buckets(const T* x, int64_t lo, int64_t hi, const CellTable& table, s
   const int64_t width = nb + 2;
   std::vector<uint32_t> lanes(4 * width, 0);
   for (int64_t i = lo; i < hi; ++i) {
-    const float a = std::fabs(static_cast<float>(x[i]));
+    const float a = std::fabs(to_float(x[i]));
     const uint32_t bits = abs_bits(a);
     cc.add(bits, a);
     ++lanes[(i & 3) * width + table.bucket(bits)];
@@ -409,7 +445,7 @@ void chunk_buckets(const T* x, int64_t lo, int64_t hi, const CellTable& table, s
                       lanes[3 * width + table.sub];
   if (sub > cc.zeros) {  // subnormals: a second look at this chunk, still in cache
     for (int64_t i = lo; i < hi; ++i) {
-      const float a = std::fabs(static_cast<float>(x[i]));
+      const float a = std::fabs(to_float(x[i]));
       const uint32_t bits = abs_bits(a);
       if (bits != 0 && bits < 0x00800000u) ++out[table.search(a)];
     }
@@ -425,7 +461,7 @@ void range_lanes(const T* x, int64_t lo, int64_t hi, ChunkCounts& cc) {
   float amax = 0.0f;
 #pragma omp simd reduction(+ : zeros, nans, infs) reduction(max : amax)
   for (int64_t i = lo; i < hi; ++i) {
-    const float v = static_cast<float>(x[i]);
+    const float v = to_float(x[i]);
     uint32_t bits;
     std::memcpy(&bits, &v, sizeof bits);
     bits &= 0x7fffffffu;
@@ -511,12 +547,12 @@ void error_pass(const R* r, const P* p, int64_t numel, int64_t* flags, double* s
       bool mx_nan = false;
       int64_t ref_bad = 0, bad = 0;
       for (int64_t i = lo; i < hi; ++i) {
-        const double rv = static_cast<double>(r[i]);
+        const double rv = to_double(r[i]);
         if (!std::isfinite(rv)) {
           ++ref_bad;
           continue;
         }
-        const double qv = static_cast<double>(p[i]);
+        const double qv = to_double(p[i]);
         if (!std::isfinite(qv)) ++bad;
         const double d = qv - rv;
         const int l = static_cast<int>(i & 3);
@@ -582,9 +618,9 @@ double dot_pass(const A* a, const B* b, int64_t numel) {
       double s[4] = {0, 0, 0, 0};  // element i in lane i % 4, in blocks of four (lo is a multiple of four)
       int64_t i = lo;
       for (; i + 4 <= hi; i += 4) {
-        for (int l = 0; l < 4; ++l) s[l] += static_cast<double>(a[i + l]) * static_cast<double>(b[i + l]);
+        for (int l = 0; l < 4; ++l) s[l] += to_double(a[i + l]) * to_double(b[i + l]);
       }
-      for (int l = 0; i < hi; ++i, ++l) s[l] += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+      for (int l = 0; i < hi; ++i, ++l) s[l] += to_double(a[i]) * to_double(b[i]);
       part[c] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   });

@@ -129,6 +129,32 @@ def test_fused_and_python_paths_agree_on_every_field(fused, dtype):
         assert r1 == r2
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16_bit_pattern_reads_as_torch_converts_it(fused, dtype):
+    """The kernels convert fp16 and bf16 with their own branch-free arithmetic: every one of the 65536 bit patterns
+    (subnormals, zeros of both signs, infs, NaNs) gives the histogram, the range, the error sums and dot64 that
+    torch's own conversion to float32 gives."""
+    p = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    as32 = p.float()
+    h, want = MagnitudeHistogram(), MagnitudeHistogram()
+    h.update(p)
+    with python_statistics():
+        want.update(as32)
+    assert torch.equal(h.counts, want.counts)
+    assert (h.total, h.zeros, h.nans, h.infs, h.amax) == (want.total, want.zeros, want.nans, want.infs, want.amax)
+    ref = torch.randn(p.numel(), generator=torch.Generator().manual_seed(2))
+    finite = torch.isfinite(as32)
+    for keep in (slice(None), finite):  # with the infs and NaNs (non-finite sums), and without (finite ones)
+        a, b = ErrorStats(), ErrorStats()
+        a.update(ref[keep], p[keep])
+        b.update(ref[keep], as32[keep])  # the float32 path of the same kernel
+        got = (a.nonfinite, a.sum_ref2, a.sum_diff2, a.sum_dot, a.sum_p2, a.max_abs)
+        exp = (b.nonfinite, b.sum_ref2, b.sum_diff2, b.sum_dot, b.sum_p2, b.max_abs)
+        assert all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(got, exp)), (got, exp)
+    assert a.nonfinite == 0 and math.isfinite(a.sum_diff2) and a.sum_diff2 > 0
+    assert stats.dot64(ref[finite], p[finite]) == stats.dot64(ref[finite], as32[finite])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_error_sums_agree_and_nonfinite_rules_hold(fused, dtype):
     g = torch.Generator().manual_seed(5)
