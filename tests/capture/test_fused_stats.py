@@ -116,17 +116,23 @@ def test_fused_and_python_paths_agree_on_every_field(fused, dtype):
     x = hostile(dtype)
     # non-contiguous and multi-chunk (the pass splits at 32768 elements) inputs too
     for t in (x, x.reshape(-1, 7)[:, ::2] if x.numel() % 7 == 0 else x[::3], x.repeat(5)):
-        a, b = MagnitudeHistogram(), MagnitudeHistogram()
-        a.update(t)
-        with python_statistics():
-            b.update(t)
-        assert torch.equal(a.counts, b.counts)
-        assert (a.total, a.zeros, a.nans, a.infs, a.amax) == (b.total, b.zeros, b.nans, b.infs, b.amax)
-        r1, r2 = RangeSummary(), RangeSummary()
-        r1.update(t)
-        with python_statistics():
-            r2.update(t)
-        assert r1 == r2
+        assert_paths_agree(t, t)
+
+
+def assert_paths_agree(fused_input: torch.Tensor, python_input: torch.Tensor) -> None:
+    """The histogram and the range summary of ``fused_input`` on the fused path equal those of ``python_input``
+    on the Python path, field by field."""
+    a, b = MagnitudeHistogram(), MagnitudeHistogram()
+    a.update(fused_input)
+    with python_statistics():
+        b.update(python_input)
+    assert torch.equal(a.counts, b.counts)
+    assert (a.total, a.zeros, a.nans, a.infs, a.amax) == (b.total, b.zeros, b.nans, b.infs, b.amax)
+    r1, r2 = RangeSummary(), RangeSummary()
+    r1.update(fused_input)
+    with python_statistics():
+        r2.update(python_input)
+    assert r1 == r2
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -136,12 +142,7 @@ def test_every_16_bit_pattern_reads_as_torch_converts_it(fused, dtype):
     torch's own conversion to float32 gives."""
     p = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
     as32 = p.float()
-    h, want = MagnitudeHistogram(), MagnitudeHistogram()
-    h.update(p)
-    with python_statistics():
-        want.update(as32)
-    assert torch.equal(h.counts, want.counts)
-    assert (h.total, h.zeros, h.nans, h.infs, h.amax) == (want.total, want.zeros, want.nans, want.infs, want.amax)
+    assert_paths_agree(p, as32)
     ref = torch.randn(p.numel(), generator=torch.Generator().manual_seed(2))
     finite = torch.isfinite(as32)
     for keep in (slice(None), finite):  # with the infs and NaNs (non-finite sums), and without (finite ones)
