@@ -493,7 +493,7 @@ void range_pass(const T* x, int64_t numel, const CellTable* table, int64_t nbuck
       if (table) {
         part_counts[c].assign(nbuckets, 0);
         chunk_buckets(x, lo, hi, *table, part_counts[c], cc);
-      } else {  // no buckets: four lanes per count and maximum, in blocks of four, for the vectorizer
+      } else {  // no buckets: counts and the maximum in one vectorized pass (range_lanes)
         range_lanes(x, lo, hi, cc);
       }
       part[c] = cc;

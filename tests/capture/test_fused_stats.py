@@ -111,6 +111,18 @@ def test_bucket_counts_of_any_edge_list_equal_bucketize(fused, edges):
     assert amax == float(a[ok].max())
 
 
+def test_the_audits_edges_fit_the_cell_table():
+    """range_stats finds a bucket without a search when no cell of 2^19 float32 bit patterns (an exponent and the
+    top four mantissa bits) holds more than two edges strictly inside it; with a third it silently takes a
+    binary search per value. The edge list the audit uses must keep the fast path."""
+    edges = torch.tensor(stats._boundary_list(), dtype=torch.float32).view(torch.int32).tolist()
+    inside: dict[int, int] = {}
+    for b in edges:
+        if b >> 23 and b & ((1 << 19) - 1):  # a normal value, not at its cell's start
+            inside[b >> 19] = inside.get(b >> 19, 0) + 1
+    assert max(inside.values()) <= 2 and len(edges) + 2 <= 0xFFFF
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fused_and_python_paths_agree_on_every_field(fused, dtype):
     x = hostile(dtype)
