@@ -18,7 +18,7 @@ forward+backward takes roughly 0.3-3 s on a 2-core CPU:
 
 Per model, in fresh subprocesses (one for the training steps, one for the audit):
 
-- FP32 step: the median of 3 timed forward+backward steps (after one warm-up step);
+- FP32 step: the median of 7 timed forward+backward steps (10 on a GPU), after two warm-up steps;
 - audit: the wall time of ``run_audit`` with default options (emulated mode on a CPU, both formats, the report
   written), loading the model and the batch from the files as a user's ``precision-audit audit`` would;
 - P1 = audit / FP32 step (goal: at most 8x for the median model, at most 12x for every model);
@@ -131,8 +131,9 @@ if what == "step":
         out.loss.backward()
     step()  # warm-up: its peak is the training step's (gradients allocated, activations alive at backward)
     result["peak_bytes"] = peak()
+    step()  # a second warm-up: the first step after the first was often 10-30% slower (GPT-2 0.50 s, then 0.39)
     times = []
-    for _ in range(10 if cuda else 3):
+    for _ in range(10 if cuda else 7):
         sync(); t0 = time.perf_counter(); step(); sync(); times.append(time.perf_counter() - t0)
     result["step_s"] = statistics.median(times)
     result["step_times"] = times
