@@ -12,7 +12,9 @@ without them would charge the policy for the FP32 work it asks for). The row "th
 times the controller after ``controller.close()`` has removed its hooks (the ones that let it name the source
 of a non-finite step: since issue 14, two hooks on the root module that keep what a replay of a bad step needs;
 docs/performance.md), which isolates what they cost on clean steps; the last, the policy's module wrappers with
-the step written by hand, isolates what the controller adds. All run in interleaved rounds.
+the step written by hand, isolates what the controller adds; "by hand, skipping non-finite steps" is the
+hand-written step with the guarantee the controller gives under BF16 (the gradients' total norm, no update when
+it is not finite), the like-for-like baseline for what that guarantee costs. All run in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -113,6 +115,23 @@ def main() -> None:
             return step
 
         by_hand = step_by_hand(hand, hand_opt)
+
+        def checked_by_hand(net, optimizer):
+            # the same step with the guarantee the controller gives under BF16 (issue 11), written by hand: the
+            # gradients' total norm, and no update when it is not finite (one device sync)
+            params = [p for p in net.parameters() if p.requires_grad]
+
+            def step():
+                with autocast():
+                    loss = spec(net(*batch.args), batch)
+                loss.backward()
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                if bool(torch.isfinite(norm)):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            return step
+
+        hand_checked = checked_by_hand(hand, hand_opt)
         # the policy's module wrappers, the step written by hand: what the controller adds
         policy_by_hand = step_by_hand(model, opt)
 
@@ -124,12 +143,13 @@ def main() -> None:
         # Interleaved rounds (the order rotating), so that a machine whose load drifts affects all alike.
         # Each round: by hand; then with the policy applied, the step by hand, and with a fresh controller, one
         # step with its source hooks and, after controller.close() has removed them, one step without.
-        times: dict[str, list[float]] = {"hand": [], "ours": [], "no_hooks": [], "wrappers": []}
+        times: dict[str, list[float]] = {"hand": [], "ours": [], "no_hooks": [], "wrappers": [], "checked": []}
         for r in range(args.repeats + 5):
             got: dict[str, float] = {}
             for what in (("hand", "policy"), ("policy", "hand"))[r % 2]:
                 if what == "hand":
                     got["hand"] = one(by_hand)
+                    got["checked"] = one(hand_checked)
                     continue
                 handle = pa.apply_policy(model, policy, device_type=dev)
                 got["wrappers"] = one(policy_by_hand)
@@ -147,7 +167,8 @@ def main() -> None:
             if r >= 5:  # warm-up rounds
                 for k, v in got.items():
                     times[k].append(v)
-        base, ours, no_hooks, wrappers = (statistics.median(times[k]) for k in ("hand", "ours", "no_hooks", "wrappers"))
+        base, ours, no_hooks, wrappers, checked = (statistics.median(times[k])
+                                                   for k in ("hand", "ours", "no_hooks", "wrappers", "checked"))
         # the hooks' cost as the median of the paired per-round differences (robust to load drifting by round)
         hooks = statistics.median(a - b for a, b in zip(times["ours"], times["no_hooks"]))
     where = (f"{torch.cuda.get_device_name()}, torch's bf16 autocast" if dev == "cuda"
@@ -159,6 +180,9 @@ def main() -> None:
     print(f"{'apply_policy + controller.step':<34} {ours * 1e3:>10.3f} {ours / base:>6.2f}x")
     print(f"{'  the same after controller.close()':<34} {no_hooks * 1e3:>10.3f} {no_hooks / base:>6.2f}x")
     print(f"{'apply_policy, the step by hand':<34} {wrappers * 1e3:>10.3f} {wrappers / base:>6.2f}x")
+    print(f"{'by hand, skipping non-finite steps':<34} {checked * 1e3:>10.3f} {checked / base:>6.2f}x")
+    print(f"apply_policy + controller.step against the step by hand with the same non-finite check: "
+          f"{ours / checked:.2f}x")
     print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step "
           f"({hooks / no_hooks:+.1%} of the step "
           "without them)")
