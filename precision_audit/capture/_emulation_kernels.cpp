@@ -285,6 +285,18 @@ std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::List<bool>> drain
 // double accumulation, as the Python path's float64 copies), elements whose reference is not finite left out.
 // Returns ([ref_nonfinite, nonfinite] int64, [sum_ref2, sum_diff2, sum_dot, sum_p2, max_abs] float64).
 
+// float32 <-> its bits (memcpy: the defined way to reinterpret; compiles to a register move).
+inline float float_of(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+inline uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
 // The bucket of a finite |x| > 0 from its float32 bits, without a search. Positive floats order as their bits, so
 // the cell `bits >> 19` (the exponent and the top four mantissa bits) fixes the bucket up to the edges strictly
 // inside the cell; every cell of a normal binade holds at most two of them here (the FP16 maximum 65504 and its
@@ -303,17 +315,6 @@ struct CellTable {
   std::vector<float> edges;
   std::vector<uint64_t> cell;
 
-  static float from_bits(uint32_t b) {
-    float f;
-    std::memcpy(&f, &b, sizeof f);
-    return f;
-  }
-  static uint32_t to_bits(float f) {
-    uint32_t b;
-    std::memcpy(&b, &f, sizeof b);
-    return b;
-  }
-
   explicit CellTable(const float* e, int64_t size) : n(size), sub(size + 1), special(size + 2), edges(e, e + size) {
     if (size + 2 > 0xFFFF) return;  // the base must fit its 16 bits
     cell.assign(kCells, 0);
@@ -327,13 +328,13 @@ struct CellTable {
         cell[c] = pack(special, kNone, kNone);
         continue;
       }
-      const float* p = std::upper_bound(edges.data(), edges.data() + n, from_bits(lo));
+      const float* p = std::upper_bound(edges.data(), edges.data() + n, float_of(lo));
       const uint64_t base = p - edges.data();
       uint32_t t[2] = {kNone, kNone};
       int k = 0;
-      for (; p < edges.data() + n && to_bits(*p) < lo + kNone; ++p, ++k) {
+      for (; p < edges.data() + n && bits_of(*p) < lo + kNone; ++p, ++k) {
         if (k == 2) return;  // three edges in one cell: not this table's case
-        t[k] = to_bits(*p) & kLow;
+        t[k] = bits_of(*p) & kLow;
       }
       cell[c] = pack(base, t[0], t[1]);
     }
@@ -365,29 +366,14 @@ const CellTable& cell_table(const float* e, int64_t size) {
 // GCC makes of its ternary (the same bits for all 65536 values: tests/capture/test_fused_stats.py).
 inline float to_float(float v) { return v; }
 inline float to_float(double v) { return static_cast<float>(v); }
-inline float to_float(c10::BFloat16 v) {
-  const uint32_t b = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
+inline float to_float(c10::BFloat16 v) { return float_of(static_cast<uint32_t>(v.x) << 16); }
 inline float to_float(c10::Half v) {
-  auto as_float = [](uint32_t b) {
-    float f;
-    std::memcpy(&f, &b, sizeof f);
-    return f;
-  };
-  auto as_bits = [](float f) {
-    uint32_t b;
-    std::memcpy(&b, &f, sizeof b);
-    return b;
-  };
   const uint32_t w = static_cast<uint32_t>(v.x) << 16;
   const uint32_t two_w = w + w;
-  const float normal = as_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float subnormal = as_float((two_w >> 17) | (126u << 23)) - 0.5f;
+  const float normal = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float subnormal = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
   const uint32_t sub = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones for a subnormal or zero
-  return as_float((w & 0x80000000u) | (as_bits(subnormal) & sub) | (as_bits(normal) & ~sub));
+  return float_of((w & 0x80000000u) | (bits_of(subnormal) & sub) | (bits_of(normal) & ~sub));
 }
 // ... and to double (exact from any of them).
 template <typename T>
@@ -396,11 +382,7 @@ inline double to_double(T v) {
 }
 inline double to_double(double v) { return v; }
 
-inline uint32_t abs_bits(float v) {
-  uint32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b & 0x7fffffffu;
-}
+inline uint32_t abs_bits(float v) { return bits_of(v) & 0x7fffffffu; }
 
 inline float finite_or_zero(float a, uint32_t bits) { return bits < CellTable::kInf ? a : 0.0f; }
 
@@ -461,12 +443,8 @@ void range_lanes(const T* x, int64_t lo, int64_t hi, ChunkCounts& cc) {
   float amax = 0.0f;
 #pragma omp simd reduction(+ : zeros, nans, infs) reduction(max : amax)
   for (int64_t i = lo; i < hi; ++i) {
-    const float v = to_float(x[i]);
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    bits &= 0x7fffffffu;
-    float a;
-    std::memcpy(&a, &bits, sizeof a);
+    const uint32_t bits = abs_bits(to_float(x[i]));
+    const float a = float_of(bits);
     zeros += bits == 0;
     infs += bits == CellTable::kInf;
     nans += bits > CellTable::kInf;
