@@ -28,7 +28,7 @@ from .reference_pass import BatchCall, batch_call_note
 from .reference_store import Kept
 from .session_state import SessionState
 from .shards import owned_part
-from .stats import ErrorStats
+from .stats import ErrorStats, stored_values
 
 
 class FormatPasses(SessionState):
@@ -104,7 +104,7 @@ class FormatPasses(SessionState):
 
     def _grad_nonfinite(self, p: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
         """(non-finite elements of ``p``'s gradient where FP32's is finite, those where FP32's is not finite too)."""
-        g = owned_part(grad).detach()
+        g = stored_values(owned_part(grad).detach())  # a sparse gradient: its stored values (the rest are zeros)
         # A finite sum means no inf or NaN anywhere (either would make it inf or NaN): one read of the gradient,
         # no mask, for the common case; a sum that overflows only takes the exact path below.
         if g.is_floating_point() and bool(torch.isfinite(g.sum())):

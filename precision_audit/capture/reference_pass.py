@@ -35,7 +35,7 @@ from .reference_store import Kept
 from .rounding import rounding_registry_paused
 from .session_state import RngState, SessionState
 from .shards import owned_part
-from .stats import ErrorStats, MagnitudeHistogram, dot64
+from .stats import ErrorStats, MagnitudeHistogram, dot64, stored_values
 from .user_autocast import UserRegion
 
 CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
@@ -200,7 +200,7 @@ class ReferencePass(SessionState):
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
                 if h.nonfinite:
-                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(owned_part(p.grad).detach())
+                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(stored_values(owned_part(p.grad).detach()))
 
     def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
         """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a

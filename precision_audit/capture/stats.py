@@ -148,6 +148,23 @@ def _edge_index() -> dict[float, int]:
     return {v: i for i, v in enumerate(_boundary_list())}
 
 
+_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def stored_values(x: torch.Tensor) -> torch.Tensor:
+    """The values a tensor stores, as a strided tensor: a sparse tensor's (a COO tensor coalesced first, so that a
+    repeated index holds the sum the dense tensor would, as an ``nn.Embedding(sparse=True)`` gradient repeats the
+    rows of repeated tokens); another layout's dense form; a strided tensor itself. The elements a sparse tensor
+    does not store are zeros: finite, and counted apart by the caller where counts matter."""
+    if x.layout == torch.strided:
+        return x
+    if x.layout == torch.sparse_coo:
+        return x.coalesce().values()
+    if x.layout in _SPARSE:
+        return x.values()
+    return x.to_dense()
+
+
 @dataclass
 class MagnitudeHistogram:
     """Exact counts of |x| between consecutive edges of :func:`boundaries`, plus special values.
@@ -165,6 +182,9 @@ class MagnitudeHistogram:
 
     def update(self, x: torch.Tensor) -> None:
         x = x.detach()
+        if x.layout != torch.strided:
+            self._update_sparse(x)
+            return
         n = x.numel()
         if n == 0:
             return
@@ -181,6 +201,15 @@ class MagnitudeHistogram:
             return
         for i in blocks(x.shape):
             self._update_python(x[i] if i else x)
+
+    def _update_sparse(self, x: torch.Tensor) -> None:
+        """A sparse tensor (an ``nn.Embedding(sparse=True)`` gradient) counted as the dense tensor it stands for,
+        without making it: its stored values, plus one zero for every element it does not store."""
+        values = stored_values(x)
+        self.update(values)
+        implicit = x.numel() - values.numel()
+        self.total += implicit
+        self.zeros += implicit
 
     def _update_python(self, x: torch.Tensor) -> None:
         n = x.numel()

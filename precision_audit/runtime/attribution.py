@@ -239,6 +239,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, t.to_local()) if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """The values a gradient stores, as a strided tensor: an ``nn.Embedding(sparse=True)`` gradient's (a sparse
+    COO tensor: coalesced, so that a repeated row holds its sum, as the dense gradient would); any other tensor
+    itself. Its norm and finiteness are the dense gradient's: the elements it does not store are zeros."""
+    if t.layout == torch.strided:
+        return t
+    if t.layout == torch.sparse_coo:
+        return t.coalesce().values()
+    return t.values() if t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc) \
+        else t.to_dense()
+
+
 def _same(x: float, y: float) -> bool:
     return x == y or (math.isnan(x) and math.isnan(y))
 
