@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from precision_audit.errors import ModelLoadError
-from precision_audit.formats import LOW_PRECISION_DTYPES
 
 from .failures import EXIT_HINT, exception_text, import_failure, raise_site, syntax_failure, type_name
 
@@ -390,21 +390,36 @@ def check_trainable(model: nn.Module, source: ModelSource) -> None:
 def _check_float32_trainables(model: nn.Module, name: str, where: str) -> None:
     """The audit measures each format against an FP32 pass of the same model. A model whose trained parameters
     are all fp16/bf16 (``model.half()``, ``.to(torch.bfloat16)``) has no FP32 pass: its "reference" would be its
-    own low-precision run, and the format it is already in would show no error at all. Frozen low-precision
-    parameters beside float32 trained ones (a frozen bf16 base under float32 adapters) are the model as trained,
-    and are accepted."""
+    own low-precision run, and the format it is already in would show no error at all. A model that trains
+    float64 parameters and no float32 ones is refused too: autocast casts float32 tensors only, so an fp16/bf16
+    policy would change nothing in it, and the audit's estimates of its speed-up would be false. Frozen
+    low-precision parameters beside float32 trained ones (a frozen bf16 base under float32 adapters) are the model
+    as trained, and are accepted."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
-    if not trained or any(p.dtype not in LOW_PRECISION_DTYPES.values() for _, p in trained):
+    if not trained or any(p.dtype == torch.float32 for _, p in trained):
         return
     dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in trained})
+    found = (f"{len(trained)} trained parameter tensors, all {'/'.join(dtypes)}, e.g. "
+             + ", ".join(n for n, _ in trained[:3]))
+    if any(p.dtype == torch.float64 for _, p in trained):
+        # autocast casts float32 tensors only: its eligibility test leaves float64 ones alone (docs/report.md)
+        raise ModelLoadError(
+            f"the model built by {name} in {where} ({type(model).__name__}) trains {', '.join(dtypes)} parameters "
+            "and no float32 ones; autocast leaves float64 tensors in float64 (it casts float32 ones only), so an "
+            "fp16/bf16 policy would change neither this model's numbers nor its speed",
+            expected="float32 parameters, as a mixed-precision run keeps them (autocast computes in fp16/bf16 from "
+            "float32 weights)",
+            found=found,
+            hint="build the model in float32 (drop the .double() / dtype=torch.float64 in the model file, and give "
+            "it float32 inputs); the audit then says whether bf16 or fp16 is safe for it",
+        )
     raise ModelLoadError(
         f"the model built by {name} in {where} ({type(model).__name__}) trains {', '.join(dtypes)} parameters "
         "only, so there is no FP32 pass to measure low precision against (the format it is in would show no "
         "error at all)",
         expected="float32 parameters, as a mixed-precision run keeps them (autocast computes in fp16/bf16 from "
         "float32 weights)",
-        found=f"{len(trained)} trained parameter tensors, all {'/'.join(dtypes)}, e.g. "
-        + ", ".join(n for n, _ in trained[:3]),
+        found=found,
         hint="build the model in float32 (drop the .half() / .to(torch.bfloat16) in the model file); the audit then "
         "says whether bf16 or fp16 is safe for it",
     )
