@@ -427,7 +427,8 @@ class ReferencePass(SessionState):
             y, loss = own[1](), self._loss_ref() if self._loss_ref is not None else None
             # dL/dL of the loss itself (or of a scalar the model returns as a loss): not a gradient
             # any format computes, so it is kept apart from the loss-scale statistics
-            if (y is not None and y is loss) or (rec.name == "" and g.numel() == 1):
+            if (y is not None and loss is not None and (y is loss or (loss._base is y and y.numel() == 1))) \
+                    or (rec.name == "" and g.numel() == 1):
                 rec.grad_loss.merge(h)
             else:
                 rec.grad_output_own.setdefault(own[0], MagnitudeHistogram()).merge(h)

@@ -78,7 +78,10 @@ class LossSpec:
         object.__setattr__(self, "kind", LossKind(self.kind))
 
     def __call__(self, output: Any, batch: Batch) -> torch.Tensor:
-        return self._compute(output, batch).float().reshape(())
+        loss = self._compute(output, batch).float()
+        # the tensor itself when it is a float32 scalar already: the capture knows the loss by identity (a
+        # module whose output is the loss, like DistilBERT's mlm_loss_fct, computes no gradient dL/dL)
+        return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def resolve_loss(source: ModelSource, output: Any, batch: Batch) -> LossSpec:
