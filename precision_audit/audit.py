@@ -36,7 +36,7 @@ from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import Performance, performance
 from .capture.compiled import resolve as resolve_kernels
 from .capture.noise import NoiseFloor, measure_noise_floor
-from .capture.records import CaptureResult
+from .capture.records import CaptureResult, RunRecord
 from .capture.runner import CaptureConfig, CaptureSession
 from .errors import ModelRunError, OptionError
 from .formats import Format
@@ -444,7 +444,9 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
         fp16_scale = ls.recommended_scale or 1.0
     for f in formats:
         say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
-        session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
+        done = session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
+        if f is Format.FP16:
+            _back_off(session, done, say)
     run.check_one_structure()
     noise = None
     if formats:
@@ -454,6 +456,30 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
         say(f"profiling {setup.steps} timed step(s) per format on {setup.device} (after one warm-up step)")
         session.timed_steps(setup.steps)
     return session.result(), noise
+
+
+#: At most this many lower scales for an FP16 pass whose backward overflows (each a factor 4: 2^-16 in all).
+MAX_BACKOFFS = 8
+
+
+def _back_off(session: CaptureSession, done: RunRecord, say: Progress) -> None:
+    """An FP16 pass whose backward overflowed while its forward was finite ran at a scale too high for some
+    gradient inside a module (which no module outputs, so the FP32 histograms that chose the scale cannot see
+    it). torch.amp.GradScaler would skip that step and halve its scale; the audit runs the pass again at a quarter
+    of it (the largest scale not seen to overflow, less one doubling of headroom, as the loss-scale rule keeps),
+    until the backward is finite, and the loss-scale finding takes the measured overflow into account
+    (analysis/loss_scale.py, ``BackwardOverflow``). Only counts every rank agrees on decide (distributed audits)."""
+    scale = done.loss_scale
+    tried: list[tuple[float, int]] = []
+    while (done.error is None and done.output_nonfinite == 0 and done.param_grads_nonfinite > 0
+           and len(tried) < MAX_BACKOFFS):
+        tried.append((scale, done.param_grads_nonfinite))
+        scale /= 4
+        say(f"fp16 pass: the backward overflowed at loss scale {tried[-1][0]:g} with a finite forward "
+            f"({tried[-1][1]} non-finite parameter-gradient elements); again at {scale:g}")
+        session.forget_format_pass(Format.FP16)
+        done = session.format_run(Format.FP16, scale)
+    done.backoffs = tried
 
 
 def _performance(capture: CaptureResult, setup: RunSetup, model: torch.nn.Module, say: Progress) -> Performance:

@@ -250,6 +250,8 @@ class LossScale(Section):
     viable: bool
     reason: str
     gradients: dict[str, Any] | None
+    # the FP16 pass's own backward overflows above the scale it ran at (analysis/loss_scale.py, BackwardOverflow)
+    backward_overflow: dict[str, Any] | None = None
     plan: dict[str, Any] | None = None
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from ..capture.records import CaptureResult, LayerRecord, RunRecord
 from ..capture.stats import ErrorStats, MagnitudeHistogram
 from ..formats import RANGE_FORMATS, Format, headroom_bits
-from .loss_scale import LossScaleFinding, recommend_fp16_loss_scale
+from .loss_scale import LossScaleFinding, backward_overflow, recommend_fp16_loss_scale
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,8 @@ def analyse(capture: CaptureResult, budget: Budget, noise: Any = None) -> Analys
     fp16_layers = [r for r in capture.layers if r.name and r.activation.fractions(Format.FP16)["overflow"] > 0]
     if Format.FP16 in capture.formats and fp16_layers:
         forward_overflow = fp16_layers[0].name
-    ls = recommend_fp16_loss_scale(capture.layers, forward_overflow) if Format.FP16 in capture.formats else None
+    ls = (recommend_fp16_loss_scale(capture.layers, forward_overflow, backward_overflow(capture.runs.get(Format.FP16)))
+          if Format.FP16 in capture.formats else None)
     k_rec = ls.recommended_exponent if ls else None
 
     layers = [_layer(r, capture, k_rec) for r in capture.layers]

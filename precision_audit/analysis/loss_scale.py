@@ -24,7 +24,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..capture.records import LayerRecord
+from ..capture.records import LayerRecord, RunRecord
 from ..capture.stats import SCALE_EXPONENTS, MagnitudeHistogram
 from ..formats import SPECS, Format
 
@@ -112,6 +112,36 @@ def forward_overflow_in(layers: Iterable[LayerRecord], fp16_modules: Collection[
 
 
 @dataclass(frozen=True)
+class BackwardOverflow:
+    """What the uniform FP16 pass itself measured above the scale it settled at: each scale at which its backward
+    overflowed while its forward was finite (a gradient inside a module, which no module outputs, beyond FP16's
+    range: the FP32 histograms cannot see it), and its non-finite parameter-gradient elements. The audit then
+    backs off as torch.amp.GradScaler does (docs/report.md, "Loss scale")."""
+
+    scales: tuple[float, ...]  # each scale that overflowed, in the order tried (falling)
+    nonfinite_param_grads: tuple[int, ...]
+    finite_at: float | None  # the scale the pass then ran at with a finite backward (None: it never did)
+
+    @property
+    def exponent(self) -> int:
+        """The lowest scale seen to overflow, as a power of two (scales at and above it are out)."""
+        return math.floor(math.log2(min(self.scales)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scales": list(self.scales), "nonfinite_param_grads": list(self.nonfinite_param_grads),
+                "finite_at": self.finite_at}
+
+
+def backward_overflow(run: RunRecord | None) -> BackwardOverflow | None:
+    """The FP16 pass's measured backward overflows (``RunRecord.backoffs``), or None when it had none."""
+    if run is None or not run.backoffs:
+        return None
+    finite = run.error is None and run.output_nonfinite == 0 and run.param_grads_nonfinite == 0
+    return BackwardOverflow(tuple(s for s, _ in run.backoffs), tuple(n for _, n in run.backoffs),
+                            run.loss_scale if finite else None)
+
+
+@dataclass(frozen=True)
 class LossScaleFinding:
     """The loss scale to use for FP16 and why.
 
@@ -132,6 +162,7 @@ class LossScaleFinding:
     reason: str
     gradients: Fp16Gradients | None = None  # which gradients the scale was derived from
     uniform: LossScaleFinding | None = None  # for a plan's finding: the uniform FP16 pass's one
+    backward_overflow: BackwardOverflow | None = None  # what the FP16 pass measured beyond the histograms
     layers: tuple[LayerRecord, ...] = field(default=(), repr=False, compare=False)  # to re-derive for a plan
 
     def for_plan(self, plan: Any) -> LossScaleFinding:
@@ -147,7 +178,9 @@ class LossScaleFinding:
         if not fp16:
             return self
         grads = fp16_gradients(self.layers, fp16)
-        found = recommend_loss_scale(grads.histogram, forward_overflow_in(self.layers, fp16), gradients=grads)
+        # the measured overflow applies to the plan too: which module held that gradient is not known
+        found = recommend_loss_scale(grads.histogram, forward_overflow_in(self.layers, fp16), gradients=grads,
+                                     backward_overflow=self.backward_overflow)
         return replace(found, uniform=self, layers=self.layers)
 
     @property
@@ -182,6 +215,7 @@ class LossScaleFinding:
             "viable": self.viable,
             "reason": self.reason,
             "gradients": self.gradients.to_dict() if self.gradients else None,
+            "backward_overflow": self.backward_overflow.to_dict() if self.backward_overflow else None,
             **({} if plan is None else {"plan": self._plan_dict(plan)}),
         }
 
@@ -190,9 +224,11 @@ class LossScaleFinding:
         return None if found is self else found.to_dict()
 
 
-def recommend_fp16_loss_scale(layers: Iterable[LayerRecord], forward_overflow: str | None = None) -> LossScaleFinding:
+def recommend_fp16_loss_scale(layers: Iterable[LayerRecord], forward_overflow: str | None = None,
+                              backward_overflow: BackwardOverflow | None = None) -> LossScaleFinding:
     """The loss scale for the uniform FP16 pass, from the gradients it computes in FP16 (:func:`fp16_gradients`);
-    ``forward_overflow`` as in :func:`recommend_loss_scale`. Re-derive for a plan with ``finding.for_plan(plan)``.
+    ``forward_overflow`` and ``backward_overflow`` as in :func:`recommend_loss_scale`. Re-derive for a plan with
+    ``finding.for_plan(plan)``.
 
     Example::
 
@@ -201,14 +237,19 @@ def recommend_fp16_loss_scale(layers: Iterable[LayerRecord], forward_overflow: s
     """
     layers = tuple(layers)
     grads = fp16_gradients(layers)
-    return replace(recommend_loss_scale(grads.histogram, forward_overflow, gradients=grads), layers=layers)
+    return replace(recommend_loss_scale(grads.histogram, forward_overflow, gradients=grads,
+                                        backward_overflow=backward_overflow), layers=layers)
 
 
 def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None = None,
-                         gradients: Fp16Gradients | None = None) -> LossScaleFinding:
+                         gradients: Fp16Gradients | None = None,
+                         backward_overflow: BackwardOverflow | None = None) -> LossScaleFinding:
     """Recommend an FP16 GradScaler init scale from the gradients in ``grads`` (FP32 reference values).
 
     ``gradients`` says which ones they are (:func:`fp16_gradients`): it is carried into the finding and its reason.
+
+    ``backward_overflow``: the scales at which the FP16 pass's own backward overflowed with a finite forward; no
+    scale at or above the lowest of them counts as free of overflow.
 
     ``forward_overflow`` names a module whose FP16 forward overflows: then no scale helps, every step is
     skipped until that module runs in a wider format.
@@ -224,18 +265,21 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
     g = grads.amax
     unscaled = frac(0)
     basis = _basis_text(gradients)
-    if grads.nonzero_finite == 0:
+    if grads.nonzero_finite == 0 and backward_overflow is None:
         return LossScaleFinding(g, forward_overflow, None, None, None, 0.0, None, 0.0, None, None,
                                 forward_overflow is None,
                                 "no non-zero gradient computed in FP16 was measured; any scale works" + basis,
                                 gradients=gradients)
     fp16_max = SPECS[Format.FP16].max
-    no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max]
+    measured = f" and {_measured_text(backward_overflow)}" if backward_overflow else ""
+    no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max
+                   and (backward_overflow is None or k < backward_overflow.exponent)]
     if not no_overflow:
         return LossScaleFinding(g, forward_overflow, None, None, None, unscaled["flushed"], None, unscaled["overflow"],
                                 None, None, False,
-                                f"gradients reach {g:.3g}{_where(gradients)}: they overflow FP16 even at scale "
-                                f"2^{SCALE_EXPONENTS[0]}; use BF16" + basis, gradients=gradients)
+                                f"gradients reach {g:.3g}{_where(gradients)}{measured}: they overflow FP16 even at "
+                                f"scale 2^{SCALE_EXPONENTS[0]}; use BF16" + basis, gradients=gradients,
+                                backward_overflow=backward_overflow)
     k_max = max(no_overflow)  # largest scale with no overflow at all
     k_hi = k_max - HEADROOM_EXPONENTS
     if k_hi < SCALE_EXPONENTS[0]:
@@ -253,7 +297,7 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         reason = (f"{best:.1%} of gradients still flush to zero at the largest safe scale 2^{k_hi} "
                   f"(largest gradient {g:.3g}{_where(gradients)}); FP16 cannot hold this gradient range, use BF16")
     else:
-        reason = (f"largest gradient {g:.3g}{_where(gradients)}: scales up to 2^{k_max} do not overflow "
+        reason = (f"largest gradient {g:.3g}{_where(gradients)}{measured}: scales up to 2^{k_max} do not overflow "
                   f"(2^{k_hi} keeps one doubling of "
                   f"headroom); from 2^{k_lo} the flushed share is within {UNDERFLOW_TOLERANCE:g} of its minimum "
                   f"({best:.2e}); unscaled, {unscaled['flushed']:.2%} of gradients flush to zero")
@@ -273,7 +317,16 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         viable=viable,
         reason=reason + basis,
         gradients=gradients,
+        backward_overflow=backward_overflow,
     )
+
+
+def _measured_text(b: BackwardOverflow) -> str:
+    tried = ", ".join(f"2^{math.floor(math.log2(x))}" for x in b.scales)
+    then = (f", finite at 2^{math.floor(math.log2(b.finite_at))}" if b.finite_at is not None
+            else ", and at no lower scale tried")
+    return (f"the FP16 pass's own backward overflowing at {tried} with a finite forward (a gradient inside a "
+            f"module, which no module outputs){then}")
 
 
 def _where(gradients: Fp16Gradients | None) -> str:

@@ -57,16 +57,7 @@ class FormatPasses(SessionState):
             if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
                 # A CPU kernel has no fp16/bf16 version: redo the pass with the fp32-fallback dispatch mode on.
                 self._use_gemm_mode = True
-                # The reference pass's figures stay (local errors and loss impacts of the re-runs); those this
-                # pass measured (calls on the batch: BatchCall) are measured again with the new dispatch
-                batch = {mid for mid, _ in self._batch_call_records}
-                for mid, rec in self.layers.items():
-                    if fmt in rec.formats:
-                        old = rec.formats[fmt]
-                        rec.formats[fmt] = (
-                            FormatLayerStats(local_note=batch_call_note(fmt)) if mid in batch else
-                            FormatLayerStats(local=old.local, local_note=old.local_note, loss_impact=old.loss_impact,
-                                             loss_impact_abs=old.loss_impact_abs, impact_measured=old.impact_measured))
+                self.forget_format_pass(fmt)
                 return self.format_run(fmt, loss_scale)
             run.error = f"{type(f.error).__name__}: {f.error}" + (f" (in module '{f.where}')" if f.where else "")
         finally:
@@ -82,6 +73,19 @@ class FormatPasses(SessionState):
         self._stat_cache.clear()
         self.runs[fmt] = run
         return run
+
+    def forget_format_pass(self, fmt: Format) -> None:
+        """Drop what the format pass of ``fmt`` measured, before it runs again (with the fp32-fallback dispatch, or
+        at a lower loss scale). The reference pass's figures stay (local errors and loss impacts of the re-runs);
+        those the format pass measures itself (calls on the batch: BatchCall) are measured again."""
+        batch = {mid for mid, _ in self._batch_call_records}
+        for mid, rec in self.layers.items():
+            if fmt in rec.formats:
+                old = rec.formats[fmt]
+                rec.formats[fmt] = (
+                    FormatLayerStats(local_note=batch_call_note(fmt)) if mid in batch else
+                    FormatLayerStats(local=old.local, local_note=old.local_note, loss_impact=old.loss_impact,
+                                     loss_impact_abs=old.loss_impact_abs, impact_measured=old.impact_measured))
 
     def _count_grad_nonfinite(self, fmt: Format, run: RunRecord) -> None:
         """Non-finite parameter-gradient elements of this pass, per owning module and in all (FP32's own apart)."""

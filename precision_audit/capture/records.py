@@ -101,6 +101,9 @@ class RunRecord:
     param_grads_nonfinite_shared: int = 0  # non-finite where FP32's gradient is not finite either
     error: str | None = None  # the model raised in this format: the run is not measured
     wall_s: float | None = None  # the instrumented pass, for progress only
+    # FP16: each higher scale this pass ran at first whose backward overflowed with a finite forward, and its
+    # non-finite parameter-gradient elements (audit.py backs off as GradScaler does; analysis/loss_scale.py)
+    backoffs: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass
