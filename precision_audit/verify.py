@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from . import host_rng
-from .errors import SEED_MAX, SEED_MIN, OptionError
+from .errors import SEED_MAX, SEED_MIN, ModelRunError, OptionError
 from .policy.schema import Policy, named_modules
 from .record import VerifyResult
 from .tf32_switches import tf32_switches
@@ -120,6 +120,8 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                 raise  # the GPU's limit, not the arm's: cli.py gives the advice
             except Exception as e:  # an arm that cannot train (e.g. a banned op under autocast) is reported
                 errors[arm] = f"{type(e).__name__}: {e}"
+                if arm == "fp32":  # nothing to compare with: not a finding about any format
+                    raise _fp32_arm_failed(e, opts, m) from e
             curves[arm] = losses
             final_params[arm] = [p.detach().float().cpu() for p in m.parameters()]
     ref = curves.get("fp32") or []
@@ -140,6 +142,24 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     return VerifyResult(steps=opts.steps, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed, mode=mode,
                         curves=curves, skipped_steps=skipped, errors=errors, final_loss_rel_change=final_rel,
                         param_rel_change=param_rel, policy_failure=failure, policy_safe=failure is None)
+
+
+def _fp32_arm_failed(e: Exception, opts: VerifyOptions, model: torch.nn.Module) -> ModelRunError:
+    """The FP32 arm is what every other arm is compared with: when it cannot train, verify says why (exit 2),
+    before training the others and without writing anything."""
+    sparse = [n for n, m in named_modules(model) if getattr(m, "sparse", False) is True]
+    if opts.optimizer == "adam" and sparse:
+        one = len(sparse) == 1
+        hint = (f"{', '.join(sparse[:3])}{'' if len(sparse) <= 3 else ', ...'} {'has' if one else 'have'} "
+                f"sparse=True: {'its gradient is' if one else 'their gradients are'} sparse, which torch.optim.Adam "
+                "refuses; run verify with --optimizer sgd")
+    else:
+        hint = (f"make the model train in FP32 first (one step of loss.backward() and {opts.optimizer} at --lr "
+                f"{opts.lr:g}); --optimizer {'sgd' if opts.optimizer == 'adam' else 'adam'} is the other choice")
+    return ModelRunError(
+        "verify's FP32 arm could not train, so there is no FP32 run to compare the policy with",
+        expected=f"a model that trains {opts.steps} step(s) in FP32 with --optimizer {opts.optimizer}",
+        found=f"{type(e).__name__}: {e}", hint=hint)
 
 
 def policy_failure(errors: dict[str, str], curve: list[float | None], params: list[torch.Tensor],

@@ -82,3 +82,36 @@ def test_verify_runs_the_models_own_cuda_autocast_code_as_the_audit_does():
     got, ref = curves(False), curves(True)
     assert got == ref
     assert got["bf16"] != got["fp32"] and got["fp16"] != got["bf16"]  # the formats did run (fc, the norm)
+
+
+SPARSE = """
+import torch, torch.nn as nn
+class M(nn.Module):
+    def __init__(s):
+        super().__init__(); s.emb = nn.Embedding(50, 16, sparse=True); s.head = nn.Linear(16, 3)
+    def forward(s, x):
+        return s.head(s.emb(x).mean(1))
+def build_model():
+    torch.manual_seed(0); return M()
+def sample_batch():
+    return torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(0))
+"""
+
+
+def test_verify_says_when_fp32_itself_cannot_train(tmp_path, capsys):
+    """A sparse embedding under the default Adam: before, every arm failed and the policy was called "unsafe";
+    now verify exits 2 naming the cause and the fix, and writes nothing. With SGD the same model verifies."""
+    src = tmp_path / "model.py"
+    src.write_text(SPARSE)
+    audit = tmp_path / "audit"
+    assert main([str(src), "--out", str(audit), "-q"]) == 0
+    before = {p.name: p.read_bytes() for p in audit.iterdir() if p.is_file()}
+    verify = ["verify", str(src), "--policy", str(audit / "policy.json"), "--out", str(audit), "--steps", "3", "-q"]
+    assert main(verify) == 2
+    err = capsys.readouterr().err
+    assert "FP32 arm could not train" in err and "Adam does not support sparse gradients" in err
+    assert "emb has sparse=True" in err and "--optimizer sgd" in err
+    assert {p.name: p.read_bytes() for p in audit.iterdir() if p.is_file()} == before  # nothing written
+    assert main(verify + ["--optimizer", "sgd"]) == 0
+    curves = json.loads((audit / "audit.json").read_text())["verify"]["curves"]
+    assert all(v is not None for c in curves.values() for v in c)
