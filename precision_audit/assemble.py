@@ -293,6 +293,24 @@ def noise_warning(noise: R.NoiseFloor | None, budget: dict[str, float]) -> list[
             "checkpoint; or the budget (--budget) is tighter than FP32 itself reproduces"]
 
 
+def zero_gradient_warning(capture: CaptureResult) -> list[str]:
+    """Every gradient of the FP32 backward is zero (module outputs and parameters; the loss's own dL/dL apart):
+    the model fits the batch exactly, e.g. a random-init Funnel Transformer whose tied-embedding logits reach
+    hundreds on its own input tokens (cross-entropy 0.0). Then nothing about gradients was measured."""
+    total = nonzero = 0
+    for r in capture.layers:
+        for h in (*r.grad_output_own.values(), r.grad_param, r.grad_param_tied):
+            total += h.total
+            nonzero += h.total - h.zeros
+    if total == 0 or nonzero:
+        return []
+    return [f"every gradient of the FP32 backward is zero ({total:,} values; loss {capture.reference.loss:g}): the "
+            "model fits this batch exactly (a saturated softmax gives a cross-entropy of 0), so the gradient figures, "
+            "the FP16 loss scale and the loss impacts the planner ranks modules by carry no information, and the "
+            "plan rests on the loss and output changes alone. Audit a batch the model does not fit yet (real "
+            "inputs and labels), or define loss_fn(output, batch) in the model file"]
+
+
 def run_warnings(capture: CaptureResult, spec: Any, structures: list[str], mode: str) -> list[str]:
     """What the reader must know about how the numbers were obtained: emulation gaps, an inferred or surrogate
     loss (``spec``: the resolved LossSpec), changing output structures, passes that failed."""

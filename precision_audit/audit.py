@@ -530,6 +530,7 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
         plan=assemble.plan_report(chosen, analysis),
         verdict=assemble.verdict(analysis, plan, setup.formats),
         warnings=assemble.run_warnings(capture, run.spec, run.structures, setup.mode) + capture.warnings
+        + assemble.zero_gradient_warning(capture)
         + assemble.rnn_warning(model, setup.mode)
         + assemble.frozen_low_precision_warning(model)
         + assemble.noise_warning(noise_floor, opts.budget.to_dict())

@@ -266,9 +266,12 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
     unscaled = frac(0)
     basis = _basis_text(gradients)
     if grads.nonzero_finite == 0 and backward_overflow is None:
+        what = ("no non-zero gradient computed in FP16 was measured" if grads.total == grads.zeros == 0 else
+                f"every one of the {grads.total:,} gradients computed in FP16 is zero (a batch the model fits "
+                "exactly gives this: see the warnings)" if grads.total == grads.zeros else
+                "no finite non-zero gradient computed in FP16 was measured")
         return LossScaleFinding(g, forward_overflow, None, None, None, 0.0, None, 0.0, None, None,
-                                forward_overflow is None,
-                                "no non-zero gradient computed in FP16 was measured; any scale works" + basis,
+                                forward_overflow is None, what + "; any scale works" + basis,
                                 gradients=gradients)
     fp16_max = SPECS[Format.FP16].max
     measured = f" and {_measured_text(backward_overflow)}" if backward_overflow else ""

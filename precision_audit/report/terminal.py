@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ..record import AlignmentRanking, AuditRecord, LossScale, PlanReport, StepTime
-from .numbers import fmt_num, fmt_seconds
+from .numbers import fmt_num, fmt_scale, fmt_seconds
 
 STAGE_FORMAT = "{desc} {elapsed}"
 BAR_FORMAT = "  {desc}: {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]"
@@ -213,10 +213,13 @@ def _estimate_caveat(r: AuditRecord, target: str) -> list[str]:
 def _loss_scale_lines(ls: LossScale | None) -> list[str]:
     if ls is None:
         return []
-    lines = [f"  fp16 loss scale: {fmt_num(ls.recommended_init_scale)} — {ls.reason}"]
+    def scale(x: Any) -> str:
+        return "none" if x is None else fmt_scale(x)
+
+    lines = [f"  fp16 loss scale: {scale(ls.recommended_init_scale)} — {ls.reason}"]
     lp = ls.plan
     if lp and (lp.get("recommended_init_scale"), lp.get("reason")) != (ls.recommended_init_scale, ls.reason):
-        lines.append(f"    for the plan: {fmt_num(lp.get('recommended_init_scale'))} — {lp.get('reason')}")
+        lines.append(f"    for the plan: {scale(lp.get('recommended_init_scale'))} — {lp.get('reason')}")
     return lines
 
 

@@ -262,6 +262,6 @@ def test_loss_scale_with_its_plan_validates_against_the_schema(tmp_path):
     from precision_audit.report.terminal import summary_text
 
     text = summary_text(doc)
-    assert "fp16 loss scale: 2.05e+03" in text and "for the plan: 5.24e+05" in text, text
+    assert "fp16 loss scale: 2^11 (2,048)" in text and "for the plan: 2^19 (524,288)" in text, text
     section = render_html(from_json(doc), c.policy.to_dict()).split('id="loss-scale"')[1].split("</section>")[0]
     assert "For the plan" in section and "left out" in section and "&#39;big&#39; output gradient" in section
