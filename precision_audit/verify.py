@@ -124,6 +124,18 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                     raise _fp32_arm_failed(e, opts, m) from e
             curves[arm] = losses
             final_params[arm] = [p.detach().float().cpu() for p in m.parameters()]
+    final_rel, param_rel = _divergence(curves, final_params)
+    failure = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
+    if failure is None and "policy_fp8" in curves:
+        failure = policy_failure(errors, curves["policy_fp8"], final_params.get("policy_fp8") or [], "policy_fp8")
+    return VerifyResult(steps=opts.steps, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed, mode=mode,
+                        curves=curves, skipped_steps=skipped, errors=errors, final_loss_rel_change=final_rel,
+                        param_rel_change=param_rel, policy_failure=failure, policy_safe=failure is None)
+
+
+def _divergence(curves: dict[str, list[float | None]], final_params: dict[str, list[torch.Tensor]]
+                ) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """Each arm's final loss and final parameters against the FP32 arm's, relative (None where not finite)."""
     ref = curves.get("fp32") or []
     ref_final = ref[-1] if ref else None
     final_rel: dict[str, float | None] = {}
@@ -136,12 +148,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
         num = sum(float((a - b).double().pow(2).sum()) for a, b in zip(final_params[arm], final_params["fp32"]))
         den = sum(float(b.double().pow(2).sum()) for b in final_params["fp32"])
         param_rel[arm] = math.sqrt(num / den) if den and math.isfinite(num) else None
-    failure = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
-    if failure is None and "policy_fp8" in curves:
-        failure = policy_failure(errors, curves["policy_fp8"], final_params.get("policy_fp8") or [], "policy_fp8")
-    return VerifyResult(steps=opts.steps, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed, mode=mode,
-                        curves=curves, skipped_steps=skipped, errors=errors, final_loss_rel_change=final_rel,
-                        param_rel_change=param_rel, policy_failure=failure, policy_safe=failure is None)
+    return final_rel, param_rel
 
 
 def _fp32_arm_failed(e: Exception, opts: VerifyOptions, model: torch.nn.Module) -> ModelRunError:

@@ -266,13 +266,7 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
     unscaled = frac(0)
     basis = _basis_text(gradients)
     if grads.nonzero_finite == 0 and backward_overflow is None:
-        what = ("no non-zero gradient computed in FP16 was measured" if grads.total == grads.zeros == 0 else
-                f"every one of the {grads.total:,} gradients computed in FP16 is zero (a batch the model fits "
-                "exactly gives this: see the warnings)" if grads.total == grads.zeros else
-                "no finite non-zero gradient computed in FP16 was measured")
-        return LossScaleFinding(g, forward_overflow, None, None, None, 0.0, None, 0.0, None, None,
-                                forward_overflow is None, what + "; any scale works" + basis,
-                                gradients=gradients)
+        return _no_gradient_finding(grads, forward_overflow, gradients)
     fp16_max = SPECS[Format.FP16].max
     measured = f" and {_measured_text(backward_overflow)}" if backward_overflow else ""
     no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max
@@ -322,6 +316,18 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         gradients=gradients,
         backward_overflow=backward_overflow,
     )
+
+
+def _no_gradient_finding(grads: MagnitudeHistogram, forward_overflow: str | None,
+                         gradients: Fp16Gradients | None) -> LossScaleFinding:
+    """No finite non-zero gradient computed in FP16: any scale works (and none can be derived)."""
+    what = ("no non-zero gradient computed in FP16 was measured" if grads.total == grads.zeros == 0 else
+            f"every one of the {grads.total:,} gradients computed in FP16 is zero (a batch the model fits "
+            "exactly gives this: see the warnings)" if grads.total == grads.zeros else
+            "no finite non-zero gradient computed in FP16 was measured")
+    return LossScaleFinding(grads.amax, forward_overflow, None, None, None, 0.0, None, 0.0, None, None,
+                            forward_overflow is None, what + "; any scale works" + _basis_text(gradients),
+                            gradients=gradients)
 
 
 def _measured_text(b: BackwardOverflow) -> str:
