@@ -130,6 +130,7 @@ class ReferencePass(SessionState):
                 ) from f.error
             lval = float(loss.detach().float())
             self._check_finite_reference(out, loss, lval)
+            _check_loss_has_graph(loss)
             self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
             try:
                 with self._fp32_reference_switches():
@@ -432,6 +433,20 @@ class ReferencePass(SessionState):
                 rec.grad_loss.merge(h)
             else:
                 rec.grad_output_own.setdefault(own[0], MagnitudeHistogram()).merge(h)
+
+
+def _check_loss_has_graph(loss: torch.Tensor) -> None:
+    """A loss with no autograd graph (a forward under ``torch.no_grad()``, an output detached) has no backward to
+    measure: say that, rather than autograd's "element 0 of tensors does not require grad"."""
+    if loss.requires_grad:
+        return
+    raise ModelRunError(
+        "the loss does not require grad: no parameter reaches it through autograd, so there is no backward pass "
+        "to measure",
+        expected="a loss computed from the model's output with autograd recording (it has a grad_fn)",
+        found=f"a loss of {float(loss.detach()):g} without grad_fn (requires_grad=False)",
+        hint="remove @torch.no_grad() / torch.inference_mode() from the model's forward, and any .detach() (or "
+             ".item() turned back into a tensor) between the parameters and the loss")
 
 
 def _diff_bf16(y: torch.Tensor, p: torch.Tensor, finite: bool | None) -> torch.Tensor:
