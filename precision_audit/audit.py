@@ -18,6 +18,7 @@ import dataclasses
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from .capture.compiled import resolve as resolve_kernels
 from .capture.noise import NoiseFloor, measure_noise_floor
 from .capture.records import CaptureResult, RunRecord
 from .capture.runner import CaptureConfig, CaptureSession
+from .capture.stats import SCALE_EXPONENTS
 from .errors import ModelRunError, OptionError
 from .formats import Format
 from .fp8.audit import fp8_stage
@@ -435,7 +437,7 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
     formats = setup.formats
     say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
     session.reference_run()
-    fp16_scale = 1.0
+    fp16_scale, overflow = 1.0, None
     if Format.FP16 in formats:
         overflow = next((r.name for r in session.layers.values() if r.name and
                          r.activation.fractions(Format.FP16)["overflow"] > 0), None)
@@ -446,7 +448,7 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
         say(f"{f} pass" + (f" (loss scale {fp16_scale:g})" if f is Format.FP16 else ""))
         done = session.format_run(f, fp16_scale if f is Format.FP16 else 1.0)
         if f is Format.FP16:
-            _back_off(session, done, say)
+            _back_off(session, done, overflow, say)
     run.check_one_structure()
     noise = None
     if formats:
@@ -458,27 +460,60 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
     return session.result(), noise
 
 
-#: At most this many lower scales for an FP16 pass whose backward overflows (each a factor 4: 2^-16 in all).
-MAX_BACKOFFS = 8
-
-
-def _back_off(session: CaptureSession, done: RunRecord, say: Progress) -> None:
+def _back_off(session: CaptureSession, done: RunRecord, forward_overflow: str | None, say: Progress) -> None:
     """An FP16 pass whose backward overflowed while its forward was finite ran at a scale too high for some
     gradient inside a module (which no module outputs, so the FP32 histograms that chose the scale cannot see
-    it). torch.amp.GradScaler would skip that step and halve its scale; the audit runs the pass again at a quarter
-    of it (the largest scale not seen to overflow, less one doubling of headroom, as the loss-scale rule keeps),
-    until the backward is finite, and the loss-scale finding takes the measured overflow into account
-    (analysis/loss_scale.py, ``BackwardOverflow``). Only counts every rank agrees on decide (distributed audits)."""
-    scale = done.loss_scale
-    tried: list[tuple[float, int]] = []
-    while (done.error is None and done.output_nonfinite == 0 and done.param_grads_nonfinite > 0
-           and len(tried) < MAX_BACKOFFS):
-        tried.append((scale, done.param_grads_nonfinite))
-        scale /= 4
-        say(f"fp16 pass: the backward overflowed at loss scale {tried[-1][0]:g} with a finite forward "
-            f"({tried[-1][1]} non-finite parameter-gradient elements); again at {scale:g}")
+    it). torch.amp.GradScaler would skip that step and lower its scale; the audit finds the largest scale at which
+    the pass's backward is finite (scales 2^e: one, two, four, ... doublings down, then bisection) and runs the
+    pass at half of it, the one doubling of headroom the loss-scale rule keeps (analysis/loss_scale.py,
+    ``BackwardOverflow``). When the backward is not finite even at the smallest scale, 2^-24, the overflow does not
+    come from the scale: the pass runs again at the scale it started from, and nothing is capped. Not tried when
+    the FP32 activations already overflow FP16 in the forward (every step is skipped then, whatever the scale).
+    Only counts every rank agrees on decide (distributed audits). Each try is one more FP16 pass; every scale
+    tried, with its non-finite parameter-gradient elements, goes into ``RunRecord.backoffs``."""
+    def overflows(d: RunRecord) -> bool:
+        return d.error is None and d.output_nonfinite == 0 and d.param_grads_nonfinite > 0
+
+    if forward_overflow is not None or not overflows(done):
+        return
+    e_min = SCALE_EXPONENTS[0]
+    start = round(math.log2(done.loss_scale))
+    tried = [(done.loss_scale, done.param_grads_nonfinite)]
+
+    say(f"fp16 pass: the backward overflowed at loss scale {done.loss_scale:g} with a finite forward "
+        f"({done.param_grads_nonfinite} non-finite parameter-gradient elements): finding the largest scale at "
+        "which it is finite, as GradScaler backs off")
+
+    def run(e: int) -> RunRecord:
+        s, n = tried[-1]
+        say(f"fp16 pass again at loss scale 2^{e} (at {s:g}: "
+            + ("finite)" if n == 0 else f"{n} non-finite parameter-gradient elements)"))
         session.forget_format_pass(Format.FP16)
-        done = session.format_run(Format.FP16, scale)
+        d = session.format_run(Format.FP16, math.ldexp(1.0, e))
+        tried.append((d.loss_scale, d.param_grads_nonfinite))
+        return d
+
+    hi, lo, step = start, None, 1  # hi: overflowed; lo: finite
+    while lo is None and hi > e_min:
+        e = max(hi - step, e_min)
+        done = run(e)
+        if not overflows(done):
+            if done.error is not None or done.output_nonfinite:  # another failure: reported as it is
+                done.backoffs = tried
+                return
+            lo = e
+        else:
+            hi, step = e, step * 2
+    if lo is None:  # not finite at 2^-24 either: not the scale's doing
+        done = run(start)
+    else:
+        while hi - lo > 1:
+            mid = (hi + lo) // 2
+            done = run(mid)
+            hi, lo = (mid, lo) if overflows(done) else (hi, mid)
+        final = max(lo - 1, e_min)  # one doubling of headroom below the largest finite scale
+        if done.loss_scale != math.ldexp(1.0, final):
+            done = run(final)
     done.backoffs = tried
 
 

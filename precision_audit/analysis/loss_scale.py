@@ -113,19 +113,26 @@ def forward_overflow_in(layers: Iterable[LayerRecord], fp16_modules: Collection[
 
 @dataclass(frozen=True)
 class BackwardOverflow:
-    """What the uniform FP16 pass itself measured above the scale it settled at: each scale at which its backward
-    overflowed while its forward was finite (a gradient inside a module, which no module outputs, beyond FP16's
-    range: the FP32 histograms cannot see it), and its non-finite parameter-gradient elements. The audit then
-    backs off as torch.amp.GradScaler does (docs/report.md, "Loss scale")."""
+    """What the uniform FP16 pass itself measured when its backward overflowed with a finite forward at the scale
+    the histograms chose (a gradient inside a module, which no module outputs, beyond FP16's range: the FP32
+    histograms cannot see it). The audit then tried lower scales (audit.py, ``_back_off``); each scale tried and
+    its non-finite parameter-gradient elements. ``finite_at``: the largest scale at which the backward was finite,
+    and so the largest counted free of overflow (None: finite at no scale down to 2^-24, so the overflow is not the
+    scale's doing, and nothing is capped)."""
 
-    scales: tuple[float, ...]  # each scale that overflowed, in the order tried (falling)
-    nonfinite_param_grads: tuple[int, ...]
-    finite_at: float | None  # the scale the pass then ran at with a finite backward (None: it never did)
+    scales: tuple[float, ...]  # every scale the FP16 pass ran at, in order
+    nonfinite_param_grads: tuple[int, ...]  # non-finite parameter-gradient elements at each (0: finite)
 
     @property
-    def exponent(self) -> int:
-        """The lowest scale seen to overflow, as a power of two (scales at and above it are out)."""
-        return math.floor(math.log2(min(self.scales)))
+    def finite_at(self) -> float | None:
+        finite = [s for s, n in zip(self.scales, self.nonfinite_param_grads) if n == 0]
+        return max(finite) if finite else None
+
+    @property
+    def max_exponent(self) -> int | None:
+        """The largest scale exponent counted free of overflow (None: no cap)."""
+        f = self.finite_at
+        return None if f is None else math.floor(math.log2(f))
 
     def to_dict(self) -> dict[str, Any]:
         return {"scales": list(self.scales), "nonfinite_param_grads": list(self.nonfinite_param_grads),
@@ -136,9 +143,7 @@ def backward_overflow(run: RunRecord | None) -> BackwardOverflow | None:
     """The FP16 pass's measured backward overflows (``RunRecord.backoffs``), or None when it had none."""
     if run is None or not run.backoffs:
         return None
-    finite = run.error is None and run.output_nonfinite == 0 and run.param_grads_nonfinite == 0
-    return BackwardOverflow(tuple(s for s, _ in run.backoffs), tuple(n for _, n in run.backoffs),
-                            run.loss_scale if finite else None)
+    return BackwardOverflow(tuple(s for s, _ in run.backoffs), tuple(n for _, n in run.backoffs))
 
 
 @dataclass(frozen=True)
@@ -269,8 +274,9 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         return _no_gradient_finding(grads, forward_overflow, gradients)
     fp16_max = SPECS[Format.FP16].max
     measured = f" and {_measured_text(backward_overflow)}" if backward_overflow else ""
+    cap = backward_overflow.max_exponent if backward_overflow is not None else None
     no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max
-                   and (backward_overflow is None or k < backward_overflow.exponent)]
+                   and (cap is None or k <= cap)]
     if not no_overflow:
         return LossScaleFinding(g, forward_overflow, None, None, None, unscaled["flushed"], None, unscaled["overflow"],
                                 None, None, False,
@@ -292,7 +298,8 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
                   f"the scale; keep that module out of FP16 (or use BF16). For the gradients alone, 2^{k_hi} is best")
     elif best > MAX_UNDERFLOW_FRACTION:
         reason = (f"{best:.1%} of gradients still flush to zero at the largest safe scale 2^{k_hi} "
-                  f"(largest gradient {g:.3g}{_where(gradients)}); FP16 cannot hold this gradient range, use BF16")
+                  f"(largest gradient {g:.3g}{_where(gradients)}{measured}); FP16 cannot hold this gradient range, "
+                  "use BF16")
     else:
         reason = (f"largest gradient {g:.3g}{_where(gradients)}{measured}: scales up to 2^{k_max} do not overflow "
                   f"(2^{k_hi} keeps one doubling of "
@@ -331,11 +338,13 @@ def _no_gradient_finding(grads: MagnitudeHistogram, forward_overflow: str | None
 
 
 def _measured_text(b: BackwardOverflow) -> str:
-    tried = ", ".join(f"2^{math.floor(math.log2(x))}" for x in b.scales)
-    then = (f", finite at 2^{math.floor(math.log2(b.finite_at))}" if b.finite_at is not None
-            else ", and at no lower scale tried")
+    over = sorted({s for s, n in zip(b.scales, b.nonfinite_param_grads) if n}, reverse=True)
+    tried = ", ".join(f"2^{math.floor(math.log2(x))}" for x in over)
+    if b.max_exponent is None:
+        return (f"the FP16 pass's own backward non-finite with a finite forward at every scale tried ({tried}): "
+                "not the loss scale's doing, so it does not lower the scale")
     return (f"the FP16 pass's own backward overflowing at {tried} with a finite forward (a gradient inside a "
-            f"module, which no module outputs){then}")
+            f"module, which no module outputs), finite at 2^{b.max_exponent}")
 
 
 def _where(gradients: Fp16Gradients | None) -> str:

@@ -24,11 +24,11 @@ from ..formats import Format
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
-from .reference_pass import BatchCall, batch_call_note
+from .reference_pass import BatchCall
 from .reference_store import Kept
 from .session_state import SessionState
 from .shards import owned_part
-from .stats import ErrorStats, stored_values
+from .stats import ErrorStats, count_nonfinite_pairs, nonfinite_where, stored_values
 
 
 class FormatPasses(SessionState):
@@ -36,10 +36,14 @@ class FormatPasses(SessionState):
 
     def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
         """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""
+        if fmt not in self._after_reference:  # the reference pass's figures, for forget_format_pass
+            self._after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt]) for mid, rec in self.layers.items()
+                                          if fmt in rec.formats}
         self._reset()
         self._phase = fmt
         run = RunRecord(format=fmt, loss_scale=loss_scale)
         t0 = time.perf_counter()
+        draws_before = self._draw_mismatches
         try:
             out, loss = self._run(fmt)
             run.loss = float(loss.detach().float())
@@ -72,20 +76,20 @@ class FormatPasses(SessionState):
         run.wall_s = time.perf_counter() - t0
         self._stat_cache.clear()
         self.runs[fmt] = run
+        self._pass_draw_mismatches[fmt] = self._draw_mismatches - draws_before
         return run
 
     def forget_format_pass(self, fmt: Format) -> None:
         """Drop what the format pass of ``fmt`` measured, before it runs again (with the fp32-fallback dispatch, or
-        at a lower loss scale). The reference pass's figures stay (local errors and loss impacts of the re-runs);
-        those the format pass measures itself (calls on the batch: BatchCall) are measured again."""
-        batch = {mid for mid, _ in self._batch_call_records}
+        at a lower loss scale): each module's figures go back to what the reference pass left (its re-runs' local
+        errors and loss impacts, a call on the batch's note); what the format pass adds (its own figures, the local
+        error and impact of calls on the batch: BatchCall) is measured again. In cuda mode its draw mismatches
+        are taken back out of the warning's count."""
+        after = self._after_reference.get(fmt, {})
         for mid, rec in self.layers.items():
             if fmt in rec.formats:
-                old = rec.formats[fmt]
-                rec.formats[fmt] = (
-                    FormatLayerStats(local_note=batch_call_note(fmt)) if mid in batch else
-                    FormatLayerStats(local=old.local, local_note=old.local_note, loss_impact=old.loss_impact,
-                                     loss_impact_abs=old.loss_impact_abs, impact_measured=old.impact_measured))
+                rec.formats[fmt] = copy.deepcopy(after[mid]) if mid in after else FormatLayerStats()
+        self._draw_mismatches -= self._pass_draw_mismatches.pop(fmt, 0)
 
     def _count_grad_nonfinite(self, fmt: Format, run: RunRecord) -> None:
         """Non-finite parameter-gradient elements of this pass, per owning module and in all (FP32's own apart)."""
@@ -108,16 +112,14 @@ class FormatPasses(SessionState):
 
     def _grad_nonfinite(self, p: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
         """(non-finite elements of ``p``'s gradient where FP32's is finite, those where FP32's is not finite too)."""
-        g = stored_values(owned_part(grad).detach())  # a sparse gradient: its stored values (the rest are zeros)
+        g = owned_part(grad).detach()
         # A finite sum means no inf or NaN anywhere (either would make it inf or NaN): one read of the gradient,
-        # no mask, for the common case; a sum that overflows only takes the exact path below.
-        if g.is_floating_point() and bool(torch.isfinite(g.sum())):
+        # no mask, for the common case; a sum that overflows only takes the exact path below. A sparse gradient:
+        # its stored values (the rest are zeros).
+        values = stored_values(g)
+        if values.is_floating_point() and bool(torch.isfinite(values.sum())):
             return 0, 0
-        bad = ~torch.isfinite(g)
-        ref = self._ref_grad_nonfinite.get(id(p))
-        if ref is None or ref.shape != bad.shape:
-            return int(bad.sum()), 0
-        return int((bad & ~ref).sum()), int((bad & ref).sum())
+        return count_nonfinite_pairs(nonfinite_where(g), self._ref_grad_nonfinite.get(id(p)))
 
     def verify_plan(self, policy: Any, default: Format | None) -> RunRecord:
         """One forward with ``policy`` applied (the runtime's apply_policy): its loss and output vs the FP32 reference.

@@ -35,7 +35,7 @@ from .reference_store import Kept
 from .rounding import rounding_registry_paused
 from .session_state import RngState, SessionState
 from .shards import owned_part
-from .stats import ErrorStats, MagnitudeHistogram, dot64, stored_values
+from .stats import ErrorStats, MagnitudeHistogram, dot64, nonfinite_where
 from .user_autocast import UserRegion
 
 CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
@@ -115,6 +115,8 @@ class ReferencePass(SessionState):
         """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
         self._reset()
         self._batch_tensors, self._batch_call_records, self._grad_edges = {}, {}, []
+        if not self._impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
+            self._after_reference, self._pass_draw_mismatches = {}, {}
         self._phase = "ref"
         t0 = time.perf_counter()
         try:
@@ -201,7 +203,7 @@ class ReferencePass(SessionState):
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
                 if h.nonfinite:
-                    self._ref_grad_nonfinite[id(p)] = ~torch.isfinite(stored_values(owned_part(p.grad).detach()))
+                    self._ref_grad_nonfinite[id(p)] = nonfinite_where(owned_part(p.grad).detach())
 
     def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
         """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a
@@ -428,11 +430,35 @@ class ReferencePass(SessionState):
             y, loss = own[1](), self._loss_ref() if self._loss_ref is not None else None
             # dL/dL of the loss itself (or of a scalar the model returns as a loss): not a gradient
             # any format computes, so it is kept apart from the loss-scale statistics
-            if (y is not None and loss is not None and (y is loss or (loss._base is y and y.numel() == 1))) \
-                    or (rec.name == "" and g.numel() == 1):
+            if (y is not None and loss is not None and is_the_loss(y, loss)) or (rec.name == "" and g.numel() == 1):
                 rec.grad_loss.merge(h)
             else:
                 rec.grad_output_own.setdefault(own[0], MagnitudeHistogram()).merge(h)
+
+
+#: Set on a loss tensor made from a module's scalar output by an op of the audit's own (the distributed audit's
+#: sum over ranks, distributed/session.py): that output, which is then the loss too (held, so that it is still
+#: there to be recognised when its gradient arrives).
+LOSS_SOURCE = "_precision_audit_loss_source"
+
+
+def is_the_loss(y: torch.Tensor, loss: torch.Tensor) -> bool:
+    """Whether the module output ``y`` is the loss the audit differentiates: the same one-element value (the loss
+    itself, a view of it as the loss function's ``reshape(())``, or both views of one tensor), or the output the
+    loss was made from (:data:`LOSS_SOURCE`). Its gradient is then dL/dL (times a rank's weight), a float32
+    scalar that no format computes."""
+    def same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a is b or (a.numel() == 1 == b.numel() and _root(a) is _root(b) and a.data_ptr() == b.data_ptr())
+
+    if same_value(y, loss):
+        return True
+    made_from = getattr(_root(loss), LOSS_SOURCE, None)
+    return isinstance(made_from, torch.Tensor) and same_value(y, made_from)
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage a view shares (``_base`` is always that root, never another view)."""
+    return t._base if t._base is not None else t
 
 
 def _check_loss_has_graph(loss: torch.Tensor) -> None:

@@ -63,6 +63,11 @@ class SessionState:
     _grad_lost: Callable[[LayerRecord, int], None]
     _ref_outputs: dict[int, list[list[Kept]]]  # Kept: a tensor, or one in the store's file (reference_store.py)
     _ref_grad_nonfinite: dict[int, torch.Tensor]
+    # each format's per-module figures as the reference pass left them (its re-runs' local errors and impacts),
+    # put back before that format's pass runs again (capture/format_pass.py, forget_format_pass)
+    _after_reference: dict[Format, dict[int, Any]]
+    _draw_mismatches: int
+    _pass_draw_mismatches: dict[Format, int]  # cuda mode: the draw mismatches of each format's latest pass
     _clone_cache: dict[int, tuple[weakref.ref, int, Kept]]
     _stat_cache: dict[tuple, tuple[weakref.ref, Any]]
     _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]

@@ -165,6 +165,35 @@ def stored_values(x: torch.Tensor) -> torch.Tensor:
     return x.to_dense()
 
 
+def nonfinite_where(x: torch.Tensor) -> torch.Tensor:
+    """Where ``x`` is not finite: a bool mask of a strided tensor; for a sparse one, the sorted flat (row-major)
+    positions, in the dense tensor it stands for, of its non-finite stored elements (two sparse gradients of one
+    parameter may store different positions, so their masks could not be compared element by element)."""
+    if x.layout == torch.strided:
+        return ~torch.isfinite(x)
+    coo = (x if x.layout == torch.sparse_coo else x.to_sparse_coo()).coalesce()
+    values = coo.values()
+    bad = (~torch.isfinite(values)).reshape(values.shape[0], -1)  # [nnz, dense elements]
+    sparse_shape = coo.shape[:coo.sparse_dim()]
+    strides = torch.tensor([math.prod(sparse_shape[i + 1:]) for i in range(len(sparse_shape))], dtype=torch.int64)
+    row = (coo.indices() * strides[:, None]).sum(0)  # flat index of each stored sparse position
+    nz, inner = bad.nonzero(as_tuple=True)
+    return (row[nz] * bad.shape[1] + inner).sort().values
+
+
+def count_nonfinite_pairs(bad: torch.Tensor, ref: torch.Tensor | None) -> tuple[int, int]:
+    """(non-finite positions of ``bad`` where ``ref`` is finite, those where it is not), both from
+    :func:`nonfinite_where` of the same parameter's gradients; all of ``bad`` when ``ref`` does not match it."""
+    if bad.dtype == torch.bool:
+        if ref is None or ref.dtype != torch.bool or ref.shape != bad.shape:
+            return int(bad.sum()), 0
+        return int((bad & ~ref).sum()), int((bad & ref).sum())
+    if ref is None or ref.dtype == torch.bool:
+        return bad.numel(), 0
+    shared = int(torch.isin(bad, ref).sum())
+    return bad.numel() - shared, shared
+
+
 @dataclass
 class MagnitudeHistogram:
     """Exact counts of |x| between consecutive edges of :func:`boundaries`, plus special values.

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import noise as _noise
+from ..capture.reference_pass import LOSS_SOURCE
 from ..capture.runner import CaptureSession
 from ..capture.stats import ErrorStats, dot64
 from ..formats import Format
@@ -57,6 +58,7 @@ def _globalize_scalars(out: Any, weight: float, group: Any) -> Any:
     def one(t: torch.Tensor) -> torch.Tensor:
         g = _GlobalLoss.apply(t * weight if weight != 1.0 else t, group)
         setattr(g, _GLOBAL_MARK, True)
+        setattr(g, LOSS_SOURCE, t)  # t's gradient is this rank's weight, not one a format computes (kept alive)
         return g
 
     if isinstance(out, torch.Tensor):

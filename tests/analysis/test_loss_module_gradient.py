@@ -13,11 +13,15 @@ from precision_audit.cli import main
 
 MODEL = """
 import torch, torch.nn as nn, torch.nn.functional as F
+class ViewLoss(nn.Module):
+    def forward(s, logits, labels):
+        return F.cross_entropy(logits, labels).unsqueeze(0)
 class M(nn.Module):
     def __init__(s):
         super().__init__()
         s.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
         s.loss_fct = nn.CrossEntropyLoss()
+        s.view_loss = ViewLoss()
     def forward(s, x, labels):
         logits = s.net(x)
         loss = {loss}
@@ -32,6 +36,7 @@ LOSSES = {
     "inline": "F.cross_entropy(logits, labels)",
     "module": "s.loss_fct(logits, labels)",
     "module, shape [1]": "s.loss_fct(logits, labels).reshape(1)",  # the audit reshapes it to a scalar (a view)
+    "module returning a view": "s.view_loss(logits, labels)",  # the module's output is itself a view
 }
 
 

@@ -65,3 +65,23 @@ def test_an_audit_of_a_sparse_embedding_measures_what_the_dense_one_does(tmp_pat
             assert layers[True][name][key] == layer[key], (name, key)
     for key in ("loss_scale", "verdict", "summary"):
         assert audits[True][key] == audits[False][key], key
+
+
+def test_non_finite_positions_of_sparse_gradients_pair_up_as_the_dense_ones_do():
+    """Two sparse gradients of one parameter that store different rows (the same number of them): their non-finite
+    elements are paired by position in the dense tensor, as the dense masks pair them (the brute-force reference),
+    not by their order in storage. A hybrid COO tensor (sparse rows of dense vectors), as nn.Embedding gives."""
+    from precision_audit.capture.stats import count_nonfinite_pairs, nonfinite_where
+
+    inf, nan = float("inf"), float("nan")
+    ref = torch.sparse_coo_tensor(torch.tensor([[1, 4, 6]]), torch.tensor(
+        [[1.0, inf], [2.0, 3.0], [nan, 1.0]]), (8, 2), check_invariants=True)
+    fmt = torch.sparse_coo_tensor(torch.tensor([[4, 6, 7]]), torch.tensor(
+        [[inf, 1.0], [nan, nan], [1.0, 1.0]]), (8, 2), check_invariants=True)
+    dense_ref, dense_fmt = (~torch.isfinite(t.to_dense()) for t in (ref, fmt))
+    expected = (int((dense_fmt & ~dense_ref).sum()), int((dense_fmt & dense_ref).sum()))
+    assert expected == (2, 1)  # (4, 0) and (6, 1) are the format's own; (6, 0) is FP32's too
+    assert count_nonfinite_pairs(nonfinite_where(fmt), nonfinite_where(ref)) == expected
+    assert torch.equal(nonfinite_where(fmt), dense_fmt.flatten().nonzero().flatten())
+    assert count_nonfinite_pairs(nonfinite_where(fmt.to_dense()), nonfinite_where(ref.to_dense())) == expected
+    assert count_nonfinite_pairs(nonfinite_where(fmt), None) == (3, 0)

@@ -70,6 +70,39 @@ def test_ddp_audit_equals_single_process(tmp_path):
     assert not list((tmp_path / "two").glob(".*staging*"))
 
 
+LOSS_MODULE = """
+import torch, torch.nn as nn
+class M(nn.Module):
+    def __init__(s):
+        super().__init__()
+        s.net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+        s.loss_fct = nn.CrossEntropyLoss()
+    def forward(s, x, labels):
+        logits = s.net(x)
+        return {'loss': s.loss_fct(logits, labels), 'logits': logits}
+def build_model():
+    torch.manual_seed(0); return M()
+def sample_batch():
+    g = torch.Generator().manual_seed(0)
+    return {'x': torch.randn(64, 32, generator=g), 'labels': torch.randint(0, 10, (64,), generator=g)}
+"""
+
+
+def test_a_loss_modules_own_gradient_is_left_out_on_every_rank(tmp_path):
+    """The model's loss is a registered loss module's output, which the ranks' sum replaces: that module's output
+    gradient is still dL/dL (times the rank's weight), not an FP16 gradient, so the loss scale is the one
+    process's (2^18 here, where counting it gave 2^15)."""
+    src = tmp_path / "model.py"
+    src.write_text(LOSS_MODULE)
+    # (the loss module's own figures are each rank's scalar, not the whole batch's: audit.json as a whole differs)
+    one, two = (audit(str(src), "--out", str(tmp_path / d), *x) for d, x in (("one", ()), ("two", ("--nproc", "2"))))
+    assert one.returncode == two.returncode == 0, two.stderr[-2000:]
+    a, b = (json.loads((tmp_path / d / "audit.json").read_text())["loss_scale"] for d in ("one", "two"))
+    assert "loss_fct" not in b["gradients"]["largest_in"]
+    assert b["gradients"]["largest_in"] == a["gradients"]["largest_in"]
+    assert b["recommended_init_scale"] == a["recommended_init_scale"] == 2.0**18
+
+
 def test_user_parallelize_fsdp_and_per_rank_sample_batch(tmp_path):
     """sharded_blocks: the file's parallelize() (fully_shard per block and root), sample_batch(rank, world_size),
     and a tensor every rank shares (the position table's output): equal to the single-process audit, module names
