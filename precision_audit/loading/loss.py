@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -91,7 +92,8 @@ def resolve_loss(source: ModelSource, output: Any, batch: Batch) -> LossSpec:
     2. ``output.loss`` / ``output["loss"]``, a scalar floating tensor (Hugging Face models given labels);
     3. with a target: cross-entropy for an integer target matching the logits ([N, C] / [N], [N, C, d...] /
        [N, d...], or [..., C] / [...]); MSE for a floating target of the output's shape;
-    4. a surrogate, mean of <y, r> over every floating output tensor y, with r fixed (standard normal,
+    4. the one 0-dim floating tensor of a plain tuple the model returned (nanoGPT's ``logits, loss``);
+    5. a surrogate, mean of <y, r> over every floating output tensor y, with r fixed (standard normal,
        seeded with 0): deterministic across calls and processes, and it gives every output a gradient.
 
     Raises :class:`~precision_audit.errors.LossError` when ``loss_fn`` fails or returns something other than a
@@ -118,9 +120,34 @@ def resolve_loss(source: ModelSource, output: Any, batch: Batch) -> LossSpec:
             return spec
         logger.warning("no standard loss fits the target: %s; using a surrogate loss", reason)
 
+    slot = _tuple_loss_slot(output)
+    if slot is not None:  # nanoGPT's (logits, loss): the model's own loss, not a surrogate of its outputs
+        return LossSpec(LossKind.OUTPUT_LOSS, f"output[{slot}], the one scalar tensor in the tuple the model "
+                        "returned: its own loss", functools.partial(_call_tuple_loss, slot))
+
     spec = _surrogate(output, reason, source)
     logger.info("loss: %s", spec.description)
     return spec
+
+
+def _tuple_loss_slot(output: Any) -> int | None:
+    """In a plain tuple or list the model returned (``return logits, loss``), the position of its one 0-dim
+    floating tensor; None when there is no such element or more than one (which would be a guess)."""
+    if not isinstance(output, (tuple, list)) or hasattr(output, "_fields"):
+        return None
+    slots = [i for i, v in enumerate(output)
+             if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() == 0]
+    return slots[0] if len(slots) == 1 else None
+
+
+def _call_tuple_loss(slot: int, output: Any, batch: Batch) -> torch.Tensor:
+    if _tuple_loss_slot(output) != slot:
+        raise LossError(
+            f"the model's output no longer has its one scalar tensor at output[{slot}]",
+            expected=f"a tuple with one scalar floating tensor at output[{slot}], as in the first forward",
+            found=output_structure(output),
+        )
+    return cast(torch.Tensor, output[slot])
 
 
 def _user_loss(source: ModelSource, fn: Any, output: Any, batch: Batch) -> LossSpec:

@@ -617,6 +617,24 @@ def test_output_loss_none_falls_through(tmp_path: Path) -> None:
     assert spec.kind == "surrogate"
 
 
+def test_a_tuples_one_scalar_is_the_models_own_loss(tmp_path: Path) -> None:
+    """nanoGPT's ``return logits, loss``: the loss is output[1], not a surrogate over the logits and the loss.
+    Two scalars would be a guess (a surrogate then); a target still comes first."""
+    _, source = linear_source(tmp_path)
+    batch = _batch((torch.randn(2, 4),))
+    logits, loss = torch.randn(2, 3), torch.tensor(2.5)
+    spec = resolve_loss(source, (logits, loss), batch)
+    assert spec.kind == LossKind.OUTPUT_LOSS and "output[1]" in spec.description
+    assert spec((logits, loss), batch).item() == 2.5
+    assert resolve_loss(source, [loss, logits], batch)([loss, logits], batch).item() == 2.5
+    with pytest.raises(LossError, match="no longer has its one scalar"):
+        spec((logits, loss, torch.tensor(1.0)), batch)
+    assert resolve_loss(source, (logits, loss, torch.tensor(1.0)), batch).kind == "surrogate"
+    assert resolve_loss(source, (logits,), batch).kind == "surrogate"
+    target = _batch((torch.randn(2, 4),), torch.randint(0, 3, (2,)))
+    assert resolve_loss(source, (logits, loss), target).kind == "cross_entropy"  # the target, as before
+
+
 def test_cross_entropy_for_class_indices(tmp_path: Path) -> None:
     _, source = linear_source(tmp_path)
     logits, target = torch.randn(32, 10), torch.randint(0, 10, (32,))
