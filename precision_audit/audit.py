@@ -474,6 +474,9 @@ def _back_off(session: CaptureSession, done: RunRecord, forward_overflow: str | 
     def overflows(d: RunRecord) -> bool:
         return d.error is None and d.output_nonfinite == 0 and d.param_grads_nonfinite > 0
 
+    def failed(d: RunRecord) -> bool:  # another failure (it raised, or its forward is not finite): reported as is
+        return d.error is not None or d.output_nonfinite > 0
+
     if forward_overflow is not None or not overflows(done):
         return
     e_min = SCALE_EXPONENTS[0]
@@ -497,19 +500,20 @@ def _back_off(session: CaptureSession, done: RunRecord, forward_overflow: str | 
     while lo is None and hi > e_min:
         e = max(hi - step, e_min)
         done = run(e)
-        if not overflows(done):
-            if done.error is not None or done.output_nonfinite:  # another failure: reported as it is
-                done.backoffs = tried
-                return
-            lo = e
-        else:
-            hi, step = e, step * 2
+        if failed(done):
+            done.backoffs = tried
+            return
+        hi, lo, step = (e, lo, step * 2) if overflows(done) else (hi, e, step)
     if lo is None:  # not finite at 2^-24 either: not the scale's doing
-        done = run(start)
+        if done.loss_scale != math.ldexp(1.0, start):
+            done = run(start)
     else:
         while hi - lo > 1:
             mid = (hi + lo) // 2
             done = run(mid)
+            if failed(done):
+                done.backoffs = tried
+                return
             hi, lo = (mid, lo) if overflows(done) else (hi, mid)
         final = max(lo - 1, e_min)  # one doubling of headroom below the largest finite scale
         if done.loss_scale != math.ldexp(1.0, final):
