@@ -68,6 +68,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     final divergence, whether the policy arm failed; its ``loss`` is filled in by the caller)."""
     from .capture.compiled import resolve as resolve_kernels
     from .capture.emulation import CudaAutocastPolicy, emulated_autocast
+    from .capture.reseeds import ReproducibleReseeds
     from .capture.user_autocast import UserAutocast
 
     say = progress or (lambda m: None)
@@ -92,6 +93,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     with contextlib.ExitStack() as stack:
         # every GPU's generator is put back, not just the one the arms run on (a model may draw on another)
         stack.enter_context(host_rng.fork())
+        stack.enter_context(ReproducibleReseeds())  # torch.seed() in a forward: every arm draws the same masks
         stack.enter_context(torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if mode == "cuda"
                                                   else []))
         if mode != "cuda":

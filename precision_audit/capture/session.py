@@ -54,6 +54,7 @@ from .output_grads import OutputGradHooks
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
 from .reference_store import Kept, ReferenceStore, release_free_heap
+from .reseeds import ReproducibleReseeds
 from .rng_replay import RandomDraws, recording, replaying
 from .session_state import RngState
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
@@ -124,7 +125,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         # it back on exit, after a failure or a Ctrl-C too (docs/memory.md).
         self.model = model
         self._state = ModelState(model, config.device)
-        self._prepared = False
+        self._prepared, self._reseeds = False, ReproducibleReseeds()  # torch.seed() in a forward (reseeds.py)
         self.training = model.training
         self._names = {id(m): n for n, m in named_modules(self.model)}
         self._modules = {id(m): m for _, m in named_modules(self.model)}
@@ -199,6 +200,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             devices = list(range(torch.cuda.device_count())) if cuda else []
             es.enter_context(torch.random.fork_rng(devices=devices))
             es.enter_context(host_rng.fork())
+            es.enter_context(self._reseeds)
             self._prepared = True
             self._state.prepare()
             self._param_versions = [p._version for p in self.model.parameters()]
@@ -562,7 +564,8 @@ class CaptureSession(ReferencePass, FormatPasses):
             grad_all=self.grad_all,
             step_times_s=dict(self.step_times),
             emulation=emulation,
-            warnings=list(self.warnings) + self._draw_warnings() + ([self._refs.note] if self._refs.note else []),
+            warnings=list(self.warnings) + self._draw_warnings() + ([self._refs.note] if self._refs.note else [])
+            + self._reseeds.warning(),
             memory=dict(self.memory),
             traces=dict(self.traces),
         )
