@@ -90,6 +90,12 @@ class CaptureConfig:
             raise ValueError("timed_steps must be >= 0")
 
 
+NO_GRAD_NOTE = ("no output gradient measured: its output does not require grad in the forward (computed under "
+                "torch.no_grad(), from nothing that requires grad, or inside a custom autograd Function, as Hugging "
+                "Face's Reformer runs its reversible layers), so its output-gradient figures are empty, not zero "
+                "gradients")
+
+
 class CaptureSession(ReferencePass, FormatPasses):
     """Runs the model on its batch in FP32 and in each format, and gathers per-module records.
 
@@ -476,6 +482,8 @@ class CaptureSession(ReferencePass, FormatPasses):
                                          functools.partial(self._grad_lost, rec, i))
                 if self._impacts_only:  # the gradients the second order's backward computes (_reference_backward)
                     self._grad_edges.append(get_gradient_edge(y))
+        if self._phase == "ref" and ys and not any(y.requires_grad for y in ys) and NO_GRAD_NOTE not in rec.notes:
+            rec.notes.append(NO_GRAD_NOTE)
 
     # -- runs ----------------------------------------------------------------------------------------
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:

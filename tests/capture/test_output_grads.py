@@ -6,6 +6,7 @@ value, so every figure must be equal."""
 
 from __future__ import annotations
 
+import json
 import weakref
 from types import SimpleNamespace
 
@@ -14,7 +15,8 @@ import torch
 
 from precision_audit.capture.noise import second_order_impacts
 from precision_audit.capture.output_grads import OutputGradHooks, autograd_nodes
-from precision_audit.capture.session import CaptureConfig, CaptureSession
+from precision_audit.capture.session import NO_GRAD_NOTE, CaptureConfig, CaptureSession
+from precision_audit.cli import main
 from precision_audit.formats import Format
 
 
@@ -163,3 +165,30 @@ def test_the_graph_walk_visits_every_node_once_when_node_objects_are_made_on_acc
     loss = SimpleNamespace(grad_fn=_Node.of("top0", graph))
     visited = [n.key for n in autograd_nodes(loss)]
     assert sorted(visited) == sorted(graph), f"visited {len(visited)} of {len(graph)} nodes"
+
+
+NO_GRAD = """
+import torch, torch.nn as nn
+class M(nn.Module):
+    def __init__(s):
+        super().__init__(); s.frozen = nn.Linear(8, 16); s.l = nn.Linear(16, 2)
+    def forward(s, x):
+        with torch.no_grad():
+            h = s.frozen(x)
+        return s.l(h.relu())
+def build_model():
+    torch.manual_seed(0); return M()
+def sample_batch():
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+"""
+
+
+def test_a_module_whose_output_needs_no_grad_says_its_gradient_is_not_measured(tmp_path):
+    """Its output-gradient figures are an empty histogram (amax 0.0): the note says they are not zero gradients.
+    (Hugging Face's Reformer runs its layers inside its own autograd Function, whose forward records no graph.)"""
+    src = tmp_path / "model.py"
+    src.write_text(NO_GRAD)
+    assert main([str(src), "--out", str(tmp_path / "out"), "-q"]) == 0
+    layers = {L["name"]: L for L in json.loads((tmp_path / "out" / "audit.json").read_text())["layers"]}
+    assert layers["frozen"]["notes"] == [NO_GRAD_NOTE] and layers["frozen"]["gradient"]["output"]["amax"] == 0.0
+    assert NO_GRAD_NOTE not in layers["l"]["notes"] and layers["l"]["gradient"]["output"]["amax"] > 0

@@ -49,3 +49,4 @@ def test_a_model_that_reseeds_in_its_forward_is_compared_on_the_same_masks(tmp_p
     assert audit["summary"]["bf16"]["output"]["rel_l2"] < 2e-2
     assert sum("torch.seed()" in w for w in audit["warnings"]) == 1
     assert torch.seed is seed and torch.random.seed is seed  # put back after the audit
+
