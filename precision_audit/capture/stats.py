@@ -34,6 +34,7 @@ from functools import cache
 import torch
 
 from ..formats import RANGE_FORMATS, SPECS, Format
+from ..runtime.attribution import stored_values  # the controller reads sparse gradients the same way
 from . import compiled
 
 # The fused path is used when the compiled library is loaded and the tensors are on the CPU; False forces the
@@ -146,23 +147,6 @@ def boundaries(device: str = "cpu") -> torch.Tensor:
 @cache
 def _edge_index() -> dict[float, int]:
     return {v: i for i, v in enumerate(_boundary_list())}
-
-
-_SPARSE = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
-
-
-def stored_values(x: torch.Tensor) -> torch.Tensor:
-    """The values a tensor stores, as a strided tensor: a sparse tensor's (a COO tensor coalesced first, so that a
-    repeated index holds the sum the dense tensor would, as an ``nn.Embedding(sparse=True)`` gradient repeats the
-    rows of repeated tokens); another layout's dense form; a strided tensor itself. The elements a sparse tensor
-    does not store are zeros: finite, and counted apart by the caller where counts matter."""
-    if x.layout == torch.strided:
-        return x
-    if x.layout == torch.sparse_coo:
-        return x.coalesce().values()
-    if x.layout in _SPARSE:
-        return x.values()
-    return x.to_dense()
 
 
 def nonfinite_where(x: torch.Tensor) -> torch.Tensor:

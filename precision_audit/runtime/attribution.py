@@ -239,10 +239,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, t.to_local()) if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
-def _stored(t: torch.Tensor) -> torch.Tensor:
-    """The values a gradient stores, as a strided tensor: an ``nn.Embedding(sparse=True)`` gradient's (a sparse
-    COO tensor: coalesced, so that a repeated row holds its sum, as the dense gradient would); any other tensor
-    itself. Its norm and finiteness are the dense gradient's: the elements it does not store are zeros."""
+def stored_values(t: torch.Tensor) -> torch.Tensor:
+    """The values a tensor stores, as a strided tensor: a sparse tensor's (a COO tensor coalesced first, so that a
+    repeated index holds the sum the dense tensor would, as an ``nn.Embedding(sparse=True)`` gradient repeats the
+    rows of repeated tokens); another layout's dense form; a strided tensor itself. The elements a sparse tensor
+    does not store are zeros: finite, adding nothing to a norm, and counted apart by the caller where counts
+    matter. (The controller's norm and non-finite scan; the audit's statistics, capture/stats.py.)"""
     if t.layout == torch.strided:
         return t
     if t.layout == torch.sparse_coo:

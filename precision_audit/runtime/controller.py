@@ -77,7 +77,7 @@ import torch
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
 from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, make_grad_scaler
-from .attribution import OUTSIDE_THE_MODEL, Attribution, _is_dtensor, _local, _ReplayProbe, _SourceProbe, _stored
+from .attribution import OUTSIDE_THE_MODEL, Attribution, _is_dtensor, _local, _ReplayProbe, _SourceProbe, stored_values
 from .monitor import StabilityMonitor, StepRecord
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class PrecisionController:
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
             dev = loss.device
-            grads = [_stored(p.grad) for p in self._params if p.grad is not None]  # sparse: its values
+            grads = [stored_values(p.grad) for p in self._params if p.grad is not None]  # sparse: its values
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=dev)
             if _is_dtensor(norm):  # FSDP2: the norm of the shards, reduced across ranks (a collective)
                 norm = norm.full_tensor()  # type: ignore[attr-defined]
@@ -361,7 +361,7 @@ class PrecisionController:
         rank of FSDP2 sees only its shards, and under DDP a rank may hold a gradient others do not)."""
         checks = []
         for _, params in self._module_params:
-            gs = [_stored(_local(p.grad)) for p in params if p.grad is not None]
+            gs = [stored_values(_local(p.grad)) for p in params if p.grad is not None]
             gs = [g for g in gs if g.numel()]
             checks.append(torch.stack([(~torch.isfinite(g).all()) for g in gs]).any().float() if gs else None)
         if not checks:
