@@ -76,7 +76,7 @@ import torch
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, make_grad_scaler
+from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, backward_tf32, make_grad_scaler
 from .attribution import OUTSIDE_THE_MODEL, Attribution, _is_dtensor, _local, _ReplayProbe, _SourceProbe, stored_values
 from .monitor import StabilityMonitor, StepRecord
 
@@ -237,7 +237,8 @@ class PrecisionController:
         scaler, opt = self.scaler, self.optimizer
         attribution: Attribution | None = None
         try:
-            scaler.scale(loss).backward()
+            with backward_tf32(self._policy):  # the forward's switches (overridden modules set their own)
+                scaler.scale(loss).backward()
             scaler.unscale_(opt)
             dev = loss.device
             grads = [stored_values(p.grad) for p in self._params if p.grad is not None]  # sparse: its values

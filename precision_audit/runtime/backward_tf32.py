@@ -1,0 +1,191 @@
+"""A module's backward under the TF32 switches its forward ran under (docs/policy.md, "TF32 in the backward").
+
+The switches (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32`` or their
+``fp32_precision`` equivalents) are global and read when a kernel is launched. :func:`precision_audit.apply_policy`
+sets them around an fp32 / tf32 module's forward, and :func:`precision_audit.autocast` around the forward pass;
+the backward runs later, outside both. So each such forward also leaves two marks in the autograd graph:
+
+- an *exit* node, made before the module's first operation (from a 0-d leaf, the *anchor*; no input of the module
+  is touched, so inputs that need no gradient, in-place operations on them and integer inputs all stay as they
+  were), which restores the switches found when the module's backward began;
+- an *enter* node on the module's floating outputs (a detached alias of each, no copy; an in-place operation on
+  an output behaves as on the output itself), which saves the switches and sets the module's own, and passes the
+  exit node a zero gradient so that it runs.
+
+Why the exit node runs after every one of the module's backward operations and before anything earlier: the
+autograd engine runs, among the nodes ready on one device, the one created last (the highest sequence number;
+AccumulateGrad first), and a node only becomes ready once every node created after it that feeds it has run; so
+on one device the backward runs in exactly the reverse order of creation. The module's nodes were created
+between its exit node and its enter node, hence run between the two. A gradient restricted to some inputs
+(``torch.autograd.grad(loss, inputs)``) may leave an exit node out of the graph task; then the switches are put
+back when the backward ends (an engine callback), never left changed.
+
+Under ``torch.compile`` (traced code) no marks are made: the compiled graph's kernels are chosen when it is
+compiled. A module whose forward returns anything other than tensors, tuples, lists or dicts of them is left
+unmarked (its backward runs under its surroundings' switches), and logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..tf32_switches import Tf32State, restore, set_tf32, snapshot, tf32_enabled
+
+log = logging.getLogger(__name__)
+
+_ANCHORS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (0-d leaf, 0-d zero)
+_PENDING: dict[int, list[_Cell]] = {}  # graph task -> cells whose backward set the switches (see _guard)
+_UNMARKED: set[str] = set()
+
+
+def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    got = _ANCHORS.get(device)
+    if got is None:
+        with torch.no_grad():
+            leaf = torch.zeros((), device=device).requires_grad_()
+            zero = torch.zeros((), device=device)
+        got = _ANCHORS[device] = (leaf, zero)
+    return got
+
+
+class _Cell:
+    """One call's switches for its backward: ``want`` is ``(on, on)`` for an fp32 / tf32 module, or the exact
+    state the forward began in (the whole model's mark); ``saved`` what :meth:`enter` replaced."""
+
+    __slots__ = ("saved", "want")
+
+    def __init__(self, want: bool | Tf32State) -> None:
+        self.want = want
+        self.saved: Tf32State | None = None
+
+    def enter(self) -> None:
+        want = self.want
+        if isinstance(want, bool):
+            if tf32_enabled() == (want, want):
+                return
+            self.saved = snapshot()
+            set_tf32(want, want, legacy=self.saved.legacy is not None)
+        else:
+            now = snapshot()
+            if now == want:
+                return
+            self.saved = now
+            restore(want)
+        _guard(self)
+
+    def exit(self) -> None:
+        saved, self.saved = self.saved, None
+        if saved is not None:
+            restore(saved)
+
+
+def _guard(cell: _Cell) -> None:
+    """Make sure the switches a backward set are put back when it ends, even where an exit node did not run."""
+    task = torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else -1
+    cells = _PENDING.get(task)
+    if cells is None:
+        cells = _PENDING[task] = []
+        if len(_PENDING) > 64:  # tasks that raised before their callback: forget the oldest
+            del _PENDING[next(iter(_PENDING))]
+
+        def done() -> None:
+            for c in reversed(_PENDING.pop(task, [])):  # innermost first: ends at the state before the backward
+                c.exit()
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+    cells.append(cell)
+
+
+class _Exit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, cell: _Cell, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.cell = cell
+        ctx.set_materialize_grads(False)
+        return anchor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[None, None]:
+        ctx.cell.exit()
+        return None, None
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, cell: _Cell, token: torch.Tensor, zero: torch.Tensor,
+                *outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.cell = cell
+        ctx.zero = zero
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        ctx.cell.enter()
+        return (None, ctx.zero, None, *grads)
+
+
+def _device_of(args: tuple, kwargs: dict, module: torch.nn.Module) -> torch.device | None:
+    for v in args:
+        if isinstance(v, torch.Tensor):
+            return v.device
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v.device
+    for p in module.parameters():
+        return p.device
+    return None
+
+
+def _marked(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
+
+
+def _collect(out: Any) -> list[torch.Tensor] | None:
+    """The floating outputs that need a gradient, or None for a structure the runtime does not look into."""
+    if isinstance(out, torch.Tensor):
+        return [out] if _marked(out) else []
+    if type(out) in (tuple, list) or (isinstance(out, tuple) and hasattr(out, "_fields")):
+        return [v for v in out if _marked(v)] if all(not isinstance(v, (tuple, list, dict)) for v in out) else None
+    if type(out) is dict:
+        return [v for v in out.values() if _marked(v)] if all(
+            not isinstance(v, (tuple, list, dict)) for v in out.values()) else None
+    return [] if out is None else None
+
+
+def _rebuild(out: Any, new: dict[int, torch.Tensor]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return new.get(id(out), out)
+    if isinstance(out, tuple):
+        items: list[Any] = [new.get(id(v), v) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
+    if isinstance(out, list):
+        return [new.get(id(v), v) for v in out]
+    return {k: new.get(id(v), v) for k, v in out.items()}
+
+
+def run_marked(want: bool | Tf32State, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
+               call: Any) -> Any:
+    """``call()`` (the module's forward) with its backward under ``want``'s switches (module docstring)."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return call()
+    device = _device_of(args, kwargs, module)
+    if device is None:
+        return call()
+    leaf, zero = _anchor(device)
+    cell = _Cell(want)
+    token = _Exit.apply(cell, leaf)
+    out = call()
+    outs = _collect(out)
+    if outs is None:
+        if name not in _UNMARKED:
+            _UNMARKED.add(name)
+            log.info("the backward of %r runs under its surroundings' TF32 switches: its forward returns a %s, "
+                     "which the runtime does not look into", name or "(root)", type(out).__name__)
+        return out
+    if not outs:
+        return out
+    marked = _Enter.apply(cell, token, zero, *outs)
+    return _rebuild(out, {id(t): m for t, m in zip(outs, marked)})
