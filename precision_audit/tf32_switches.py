@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Tf32State", "restore", "set_tf32", "snapshot", "tf32_enabled", "tf32_switches"]
+__all__ = ["Tf32State", "legacy_flags", "restore", "set_tf32", "snapshot", "tf32_enabled", "tf32_switches"]
 
 # The newer API's nodes, parents before children (a restore sets a parent before its children inherit).
 _NEW_API_NODES = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn",
@@ -169,8 +169,25 @@ def restore(state: Tf32State) -> None:
             continue
 
 
+def legacy_flags() -> tuple[str, bool] | None:
+    """``(float32_matmul_precision, cudnn.allow_tf32)`` when the program uses the legacy API (``snapshot().legacy``,
+    read in ~1 us), else None."""
+    if _LEGACY is None:
+        return snapshot().legacy
+    precision, cudnn, cublas = _LEGACY
+    try:
+        flags = precision(), bool(cudnn())
+        cublas()  # raises too when only this flag is mixed
+    except RuntimeError:
+        return None
+    return flags
+
+
 def tf32_enabled() -> tuple[bool, bool]:
     """Whether fp32 matmuls and cuDNN convolutions may use TF32 now: ``(matmul, cudnn_conv)``."""
+    flags = legacy_flags()
+    if flags is not None:
+        return flags[0] != "highest", flags[1]
     state = snapshot()
     if state.legacy is not None:
         return state.legacy[0] != "highest", state.legacy[1]

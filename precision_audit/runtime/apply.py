@@ -37,7 +37,7 @@ from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 from ..tf32_switches import Tf32State, set_tf32, tf32_enabled
 from ..tf32_switches import restore as tf32_restore
 from ..tf32_switches import snapshot as tf32_snapshot
-from .backward_tf32 import run_marked
+from .backward_tf32 import forward_state, run_marked
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def _root_forward(module: torch.nn.Module, state: _ModuleState, *args: Any, **kw
         return _call(module, state, args, kwargs)
     if (state.device_type or _infer_device_type(args, kwargs, module)) != "cuda":
         return _call(module, state, args, kwargs)
-    return run_marked(tf32_snapshot(), "", module, args, kwargs, lambda: _call(module, state, args, kwargs))
+    return run_marked(forward_state(), "", module, args, kwargs, lambda: _call(module, state, args, kwargs))
 
 
 # -- the handle ----------------------------------------------------------------------------------------------

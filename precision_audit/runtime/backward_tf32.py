@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..tf32_switches import Tf32State, restore, set_tf32, snapshot, tf32_enabled
+from ..tf32_switches import Tf32State, legacy_flags, restore, set_tf32, snapshot, tf32_enabled
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +51,21 @@ def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return got
 
 
+def forward_state() -> tuple[str, bool] | Tf32State:
+    """The switches in force now, as :class:`_Cell` takes them: the legacy flags when the program uses that API
+    (cheap), else every setting."""
+    flags = legacy_flags()
+    return flags if flags is not None else snapshot()
+
+
 class _Cell:
-    """One call's switches for its backward: ``want`` is ``(on, on)`` for an fp32 / tf32 module, or the exact
-    state the forward began in (the whole model's mark); ``saved`` what :meth:`enter` replaced."""
+    """One call's switches for its backward: ``want`` is ``on`` (both switches) for an fp32 / tf32 module, or the
+    state the forward began in (the whole model's mark: :func:`forward_state`); ``saved`` what :meth:`enter`
+    replaced, put back by :meth:`exit`."""
 
     __slots__ = ("saved", "want")
 
-    def __init__(self, want: bool | Tf32State) -> None:
+    def __init__(self, want: bool | tuple[str, bool] | Tf32State) -> None:
         self.want = want
         self.saved: Tf32State | None = None
 
@@ -68,6 +76,12 @@ class _Cell:
                 return
             self.saved = snapshot()
             set_tf32(want, want, legacy=self.saved.legacy is not None)
+        elif isinstance(want, tuple):
+            if legacy_flags() == want:
+                return
+            self.saved = snapshot()
+            torch.set_float32_matmul_precision(want[0])
+            torch.backends.cudnn.allow_tf32 = want[1]
         else:
             now = snapshot()
             if now == want:
@@ -166,7 +180,7 @@ def _rebuild(out: Any, new: dict[int, torch.Tensor]) -> Any:
     return {k: new.get(id(v), v) for k, v in out.items()}
 
 
-def run_marked(want: bool | Tf32State, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
+def run_marked(want: bool | tuple[str, bool] | Tf32State, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
                call: Any) -> Any:
     """``call()`` (the module's forward) with its backward under ``want``'s switches (module docstring)."""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():

@@ -77,11 +77,16 @@ def expected(default_state: tuple[bool, bool]) -> dict[str, tuple[bool, bool]]:
             "head.weight": default_state}
 
 
-@pytest.fixture
-def user_switches():
-    """The user's own switches (torch's defaults: matmul off, cuDNN on), put back after the test."""
+@pytest.fixture(params=["legacy-api", "fp32_precision-api"])
+def user_switches(request):
+    """The user's own switches (matmul off, cuDNN on: torch's defaults), set through the legacy flags or the newer
+    ``fp32_precision`` API (after which reading a legacy flag raises), put back after the test."""
     saved = snapshot()
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    if request.param == "legacy-api" or not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    else:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
     yield snapshot()
     restore(saved)
 
