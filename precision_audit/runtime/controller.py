@@ -73,12 +73,14 @@ import os
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
 from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, backward_tf32, make_grad_scaler
 from .attribution import OUTSIDE_THE_MODEL, Attribution, _is_dtensor, _local, _ReplayProbe, _SourceProbe, stored_values
 from .monitor import StabilityMonitor, StepRecord
+from .readout import Readout
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,7 @@ class PrecisionController:
         self.scaler = make_grad_scaler(policy, self.device_type)
         self._step = 0
         self._skipped = 0
+        self._readout = Readout()
         self._streaks: dict[str, list[int]] = {}
         self._reported_fp32_sources: set[str] = set()
         self._own_handle: PolicyHandle | None = None
@@ -234,63 +237,30 @@ class PrecisionController:
                               found=type(loss).__name__ if not isinstance(loss, torch.Tensor) else
                               f"a tensor of shape {tuple(loss.shape)}")
         self._step += 1
-        scaler, opt = self.scaler, self.optimizer
+        scaler = self.scaler
         attribution: Attribution | None = None
+        nonfinite: tuple[str, ...] = ()
+        skip = False
         try:
             with backward_tf32(self._policy):  # the forward's switches (overridden modules set their own)
                 scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            dev = loss.device
-            grads = [stored_values(p.grad) for p in self._params if p.grad is not None]  # sparse: its values
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=dev)
-            if _is_dtensor(norm):  # FSDP2: the norm of the shards, reduced across ranks (a collective)
-                norm = norm.full_tensor()  # type: ignore[attr-defined]
-            norm = norm.to(dev).float()
-            found_infs = self._found_infs()
-            found = _found_any(found_infs, dev)
-            # A non-finite total norm is the cheap gate (no extra pass over the gradients on a clean step); the
-            # per-module scan below decides, since a norm can also overflow from finite gradients.
-            flags = torch.stack([found, (~torch.isfinite(norm)).float()])
-            distributed = self._distributed()
-            if distributed:
-                import torch.distributed as dist
-
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-                for v in found_infs:  # every rank now skips (and backs off) together
-                    v.copy_(flags[0].to(v.device).reshape(v.shape))
-            if self.max_grad_norm is not None:
-                self._clip(norm)
-            scale_t = self._scale_tensor(dev)
-            # one device sync for everything the monitor needs
-            loss_v, norm_v, found_v, bad_norm, scale_v = torch.cat(
-                [loss.detach().float().reshape(1), norm.reshape(1), flags, scale_t]).tolist()
-            scale_used = scale_v if scaler.is_enabled() else None
-            bad = found_v > 0 or bad_norm > 0
-            nonfinite: tuple[str, ...] = ()
-            skip = False
+            scaler.unscale_(self.optimizer)
+            norm, found_infs, seen = self._check(loss)
+            loss_v, norm_v = seen["loss"], seen["norm"]
+            found_v = seen.get("found_inf", 0.0)
+            scale_used = seen["scale"] if "scale" in seen else None
+            bad_norm = seen["bad_norm"] > 0 if "bad_norm" in seen else not math.isfinite(norm_v)
+            bad = found_v > 0 or bad_norm
             if bad:  # every rank gets here together (the flags are agreed), so the collectives below match
-                nonfinite = self._scan_modules()
-                mine = torch.tensor([1.0 if nonfinite else 0.0], device=dev)
-                skip = found_v > 0 or self._reduce_max(mine).item() > 0
-                if self._probe is not None:
-                    backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
-                    attribution = self._probe.evaluate({n for n in nonfinite if n != OUTSIDE_THE_MODEL},
-                                                       backward_counts, dev, self._reduce_max,
-                                                       self._agree_text if distributed else None)
-                if skip and found_v == 0:
-                    # non-finite where the GradScaler does not look (parameters outside the optimizer): make it
-                    # skip and back off as it does for its own finds
-                    for v in found_infs:
-                        v.fill_(1.0)
-            # The update: never with a non-finite gradient, whatever the format (docs/policy.md). A disabled scaler's
-            # step() is a plain optimizer.step(), so a skipped step does not call it at all.
-            if not skip or scaler.is_enabled():
-                scaler.step(opt)
+                nonfinite, skip, attribution = self._on_bad_step(found_infs, found_v > 0, scale_used, loss.device)
+            if not skip and self.max_grad_norm is not None:
+                self._clip(norm)  # after the check: a non-finite norm would multiply every gradient by NaN
+            self._optimizer_step(skip)
             scaler.update()
         finally:
             if self._probe is not None:
                 self._probe.clear()
-        opt.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         if skip:
             self._skipped += 1
             self._report_skip(loss_v, scale_used, nonfinite, attribution)
@@ -305,6 +275,75 @@ class PrecisionController:
                                     source_detail=attribution.detail if attribution and attribution.source is not None
                                     else "")
 
+    def _check(self, loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, Any]]:
+        """The step's device values, read with its one device sync (runtime/readout.py): the loss, the total norm
+        of the unscaled gradients (the non-finite gate without a GradScaler: one read of every gradient, as the
+        hand-written check), the GradScaler's found-inf flag and scale; under torch.distributed the two flags
+        are first all-reduced (MAX) so that every rank skips the same steps. Returns (norm, found_infs, values)."""
+        dev = loss.device
+        grads = []
+        for p in self._params:
+            g = p.grad
+            if g is not None:
+                grads.append(g if g.layout == torch.strided else stored_values(g))  # sparse: its values
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=dev)
+        if _is_dtensor(norm):  # FSDP2: the norm of the shards, reduced across ranks (a collective)
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
+        readout = self._readout
+        readout.add("loss", loss)
+        readout.add("norm", norm)
+        found_infs = self._found_infs()
+        if found_infs:
+            readout.add("scale", self.scaler._scale)  # type: ignore[arg-type]  # the scale this step used
+        if self._distributed():
+            import torch.distributed as dist
+
+            flags = torch.stack([_found_any(found_infs, dev), (~torch.isfinite(norm.to(dev))).float()])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+            for v in found_infs:  # every rank now skips (and backs off) together
+                v.copy_(flags[0].to(v.device).reshape(v.shape))
+            readout.add("found_inf", flags[0])
+            readout.add("bad_norm", flags[1])
+        elif found_infs:
+            readout.add("found_inf", _found_any(found_infs, dev))
+        return norm, found_infs, readout.read()
+
+    def _on_bad_step(self, found_infs: list[torch.Tensor], found: bool, scale_used: float | None,
+                     dev: torch.device) -> tuple[tuple[str, ...], bool, Attribution | None]:
+        """A step whose GradScaler found an inf or whose norm is not finite: which modules' gradients are non-finite
+        (agreed across ranks; it decides the skip, since a norm can overflow from finite gradients) and where the
+        values started. Returns (non-finite modules, skip, attribution)."""
+        nonfinite = self._scan_modules()
+        skip = found or bool(nonfinite)
+        attribution = None
+        if self._probe is not None:
+            backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
+            attribution = self._probe.evaluate({n for n in nonfinite if n != OUTSIDE_THE_MODEL}, backward_counts,
+                                               dev, self._reduce_max,
+                                               self._agree_text if self._distributed() else None)
+        if skip and not found:
+            # non-finite where the GradScaler does not look (parameters outside the optimizer): make it skip and
+            # back off as it does for its own finds
+            for v in found_infs:
+                v.fill_(1.0)
+        return nonfinite, skip, attribution
+
+    def _optimizer_step(self, skip: bool) -> None:
+        """The update: never with a non-finite gradient, whatever the format (docs/policy.md)."""
+        scaler, opt = self.scaler, self.optimizer
+        if not scaler.is_enabled():  # a disabled scaler's step() is a plain optimizer.step()
+            if not skip:
+                opt.step()
+            return
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            scaler.step(opt)  # a fused optimizer takes found_inf on the device (no sync)
+            return
+        # GradScaler.step would read found_inf again (a second device sync per step) to decide what the controller
+        # has just decided with the same flags (skip == found_inf, agreed across ranks): step, or not, as it would
+        if not skip:
+            opt.step()
+        self.scaler._per_optimizer_states[id(opt)]["stage"] = OptState.STEPPED
+
     # -- internals ---------------------------------------------------------------------------------------
     def _clip(self, norm: torch.Tensor) -> None:
         """Clip the gradients to ``max_grad_norm`` given their total ``norm``."""
@@ -317,14 +356,6 @@ class PrecisionController:
         for p in self._params:
             if p.grad is not None:
                 _local(p.grad).mul_(coef.to(_local(p.grad).device, _local(p.grad).dtype))
-
-
-    def _scale_tensor(self, device: torch.device) -> torch.Tensor:
-        """The scale used this step as a 1-element tensor (read without a device sync where possible)."""
-        scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
-        if isinstance(scale, torch.Tensor):
-            return scale.detach().to(device, torch.float32).reshape(1)
-        return torch.tensor([self.scaler.get_scale() if self.scaler.is_enabled() else 0.0], device=device)
 
     def _found_infs(self) -> list[torch.Tensor]:
         if not self.scaler.is_enabled():
