@@ -37,7 +37,7 @@ from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 from ..tf32_switches import Tf32State, set_tf32, tf32_enabled
 from ..tf32_switches import restore as tf32_restore
 from ..tf32_switches import snapshot as tf32_snapshot
-from .backward_tf32 import forward_state, run_marked
+from .backward_tf32 import CONTROLLED, forward_state, run_marked
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,9 @@ def _root_forward(module: torch.nn.Module, state: _ModuleState, *args: Any, **kw
     if not state.active or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return _call(module, state, args, kwargs)
     if (state.device_type or _infer_device_type(args, kwargs, module)) != "cuda":
+        return _call(module, state, args, kwargs)
+    controlled = CONTROLLED.get(module)
+    if controlled is not None and tf32_enabled() == controlled:  # controller.step's backward runs under these
         return _call(module, state, args, kwargs)
     return run_marked(forward_state(), "", module, args, kwargs, lambda: _call(module, state, args, kwargs))
 
@@ -361,10 +364,7 @@ class PolicyAutocast:
         self.device_type = device_type
         self.dtype = _DTYPE_OF_NAME.get(policy.default_format)
         self.enabled = enabled
-        if policy.default_format == "tf32":
-            self.tf32 = (True, True)
-        else:
-            self.tf32 = (policy.tf32_matmul, policy.tf32_cudnn)
+        self.tf32 = policy_tf32(policy)
         self._stack: list[tuple[Tf32State | None, torch.autocast]] = []
 
     def __enter__(self) -> PolicyAutocast:
@@ -392,12 +392,15 @@ class PolicyAutocast:
                 tf32_restore(saved)
 
 
+def policy_tf32(policy: Policy) -> tuple[bool, bool]:
+    """The TF32 switches :func:`precision_audit.autocast` sets for the forward: both on for a ``tf32`` default,
+    else the policy's ``tf32`` section."""
+    return (True, True) if policy.default_format == "tf32" else (policy.tf32_matmul, policy.tf32_cudnn)
+
+
 def backward_tf32(policy: Policy) -> _TF32:
-    """The context ``controller.step`` runs the backward in: the TF32 switches :func:`precision_audit.autocast`
-    sets for the forward (both on for a ``tf32`` default, else the policy's ``tf32`` section)."""
-    if policy.default_format == "tf32":
-        return _TF32(True)
-    return _TF32(policy.tf32_matmul, policy.tf32_cudnn)
+    """The context ``controller.step`` runs the backward in: :func:`policy_tf32`'s switches."""
+    return _TF32(*policy_tf32(policy))
 
 
 def make_grad_scaler(policy: Policy, device: str = "cuda") -> torch.amp.GradScaler:

@@ -28,6 +28,7 @@ unmarked (its backward runs under its surroundings' switches), and logged once.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 _ANCHORS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (0-d leaf, 0-d zero)
 _PENDING: dict[int, list[_Cell]] = {}  # graph task -> cells whose backward set the switches (see _guard)
 _UNMARKED: set[str] = set()
+#: Models whose backward a controller runs under these switches (``controller.step``): their whole-model mark is
+#: left out when the forward ran under the same ones (runtime/apply.py, _root_forward).
+CONTROLLED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, bool]] = weakref.WeakKeyDictionary()
 
 
 def _anchor(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +62,28 @@ def forward_state() -> tuple[str, bool] | Tf32State:
     return flags if flags is not None else snapshot()
 
 
+def switch_to(want: bool | tuple[str, bool] | Tf32State) -> Tf32State | None:
+    """Set the switches to ``want`` (``on`` for both, legacy flags, or a full state) if they differ; returns what
+    to :func:`~precision_audit.tf32_switches.restore` after, or None when nothing changed."""
+    if isinstance(want, bool):
+        if tf32_enabled() == (want, want):
+            return None
+        saved = snapshot()
+        set_tf32(want, want, legacy=saved.legacy is not None)
+    elif isinstance(want, tuple):
+        if legacy_flags() == want:
+            return None
+        saved = snapshot()
+        torch.set_float32_matmul_precision(want[0])
+        torch.backends.cudnn.allow_tf32 = want[1]
+    else:
+        saved = snapshot()
+        if saved == want:
+            return None
+        restore(want)
+    return saved
+
+
 class _Cell:
     """One call's switches for its backward: ``want`` is ``on`` (both switches) for an fp32 / tf32 module, or the
     state the forward began in (the whole model's mark: :func:`forward_state`); ``saved`` what :meth:`enter`
@@ -70,25 +96,9 @@ class _Cell:
         self.saved: Tf32State | None = None
 
     def enter(self) -> None:
-        want = self.want
-        if isinstance(want, bool):
-            if tf32_enabled() == (want, want):
-                return
-            self.saved = snapshot()
-            set_tf32(want, want, legacy=self.saved.legacy is not None)
-        elif isinstance(want, tuple):
-            if legacy_flags() == want:
-                return
-            self.saved = snapshot()
-            torch.set_float32_matmul_precision(want[0])
-            torch.backends.cudnn.allow_tf32 = want[1]
-        else:
-            now = snapshot()
-            if now == want:
-                return
-            self.saved = now
-            restore(want)
-        _guard(self)
+        self.saved = switch_to(self.want)
+        if self.saved is not None:
+            _guard(self)
 
     def exit(self) -> None:
         saved, self.saved = self.saved, None

@@ -77,8 +77,17 @@ from torch.amp.grad_scaler import OptState
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, backward_tf32, make_grad_scaler
+from .apply import (
+    _ACTIVE,
+    LOW_PRECISION_DTYPES,
+    PolicyHandle,
+    apply_policy,
+    backward_tf32,
+    make_grad_scaler,
+    policy_tf32,
+)
 from .attribution import OUTSIDE_THE_MODEL, Attribution, _is_dtensor, _local, _ReplayProbe, _SourceProbe, stored_values
+from .backward_tf32 import CONTROLLED
 from .monitor import StabilityMonitor, StepRecord
 from .readout import Readout
 
@@ -195,6 +204,7 @@ class PrecisionController:
                 self._probe = _SourceProbe(modules, backward=adaptive)
             else:
                 self._probe = _ReplayProbe(self.root, modules)
+        CONTROLLED[self.root] = policy_tf32(policy)  # step() sets these for the backward (runtime/backward_tf32.py)
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
                      "this point")
@@ -228,6 +238,7 @@ class PrecisionController:
         if self._own_handle is not None:
             self._own_handle.remove()
             self._own_handle = None
+        CONTROLLED.pop(self.root, None)
 
     def step(self, loss: torch.Tensor) -> StepRecord:
         """Backward, unscale, non-finite check, optimizer step (skipped if any gradient is non-finite), scaler
