@@ -2,23 +2,24 @@
 
 ``controller.step(loss)`` does, in this order, what a hand-written ``torch.amp`` loop does, plus checks::
 
-    scaler.scale(loss).backward()
+    scaler.scale(loss).backward()          -- under the policy's TF32 switches (runtime/backward_tf32.py)
     scaler.unscale_(optimizer)
     total gradient norm; under torch.distributed: all-reduce (MAX) of found_inf and "norm not finite"
-    [clip to max_grad_norm]
-    one device sync (loss, norm, found_inf, scale)
+    one device sync (loss, norm, found_inf, scale: runtime/readout.py) -- the step's only one when it is clean
     only if found_inf or the norm is not finite: per-module non-finite scan (decides the skip, agreed across
-    ranks) and the source attribution (forward hooks' records, one more sync)
-    scaler.step(optimizer) -- skipped whenever a gradient is non-finite, in every format; scaler.update()
+    ranks) and the source attribution (a replay of the forward, or per-call records)
+    [clip to max_grad_norm, on a step that updates: after the check, so a NaN norm cannot poison the scan]
+    optimizer.step() -- skipped whenever a gradient is non-finite, in every format (as scaler.step would, on
+    the flags already read); scaler.update()
     optimizer.zero_grad(set_to_none=True); monitor.observe(...)
 
 Without faults the GradScaler's state is step for step the one of the plain loop (tests/runtime/test_runtime.py).
 
 **No non-finite update, in any format** (docs/policy.md, "The runtime"). With a GradScaler, a non-finite gradient
-makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients
-the GradScaler does not see: optimizer parameters it was not given). Without one (bf16, fp32, fp16 with loss
-scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm is only the gate: a
-norm that overflows from finite gradients does not skip. Skipped steps are counted
+makes the step skip as ``scaler.step`` would and ``scaler.update`` back off (the controller sets found_inf
+itself for gradients the GradScaler does not see: optimizer parameters it was not given). Without one (bf16,
+fp32, fp16 with loss scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm
+is only the gate: a norm that overflows from finite gradients does not skip. Skipped steps are counted
 (``controller.skipped_steps``) and logged at WARNING, with their source; a GradScaler backoff from an overflow
 in the scaled backward (finite forward, scale > 1) is routine and logged at INFO.
 
