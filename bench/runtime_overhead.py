@@ -90,13 +90,15 @@ def _is_view(func) -> bool:
 
 
 class CountOps(TorchDispatchMode):
-    """Counts dispatched operators that are not views or allocations (about one kernel launch each on a GPU) and
-    reads to the host (``item``/``bool``/``tolist``: a device sync each on a GPU)."""
+    """Counts dispatched operators that are not views or allocations (about one kernel launch each on a GPU), reads
+    to the host (``item``/``bool``/``tolist``: a device sync each on a GPU) and tensors made from host data
+    (``torch.tensor([...], device=...)``: on a GPU a copy from pageable memory, which waits for the stream too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.kernels: collections.Counter[str] = collections.Counter()
         self.syncs = 0
+        self.from_host = 0
         self._tolist = torch.Tensor.tolist
 
     def __enter__(self):
@@ -118,7 +120,9 @@ class CountOps(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _SYNC_OPS:
             self.syncs += 1
-        elif not (_is_view(func) or name.startswith("empty") or name in ("lift_fresh", "set_", "alias")):
+        elif name == "lift_fresh":
+            self.from_host += 1
+        elif not (_is_view(func) or name.startswith("empty") or name in ("set_", "alias")):
             self.kernels[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -241,13 +245,13 @@ def main() -> None:
           f"{len(model.blocks)} blocks, batch {batch.args[0].shape[0]}; {args.repeats} interleaved rounds")
     head = f"{'step':<38} {'median ms':>10} {'ratio':>7}"
     if counts:
-        head += f" {'ops/step':>9} {'syncs':>6}"
+        head += f" {'ops/step':>9} {'syncs':>6} {'from host':>9}"
     print(head)
     for what, label in ROWS.items():
         ratio = statistics.median(a / b for a, b in zip(times[what], times["checked"]))
         line = f"{label:<38} {statistics.median(times[what]) * 1e3:>10.3f} {ratio:>6.3f}x"
         if counts:
-            line += f" {sum(counts[what].kernels.values()):>9} {counts[what].syncs:>6}"
+            line += f" {sum(counts[what].kernels.values()):>9} {counts[what].syncs:>6} {counts[what].from_host:>9}"
         print(line)
     hooks = statistics.median(a - b for a, b in zip(times["ours"], times["no_hooks"]))
     print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step "

@@ -28,6 +28,7 @@ class Count(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.syncs = 0
+        self.from_host = 0  # tensors made from host data: on a GPU a pageable copy, which waits for the stream
         self._tolist = torch.Tensor.tolist
 
     def __enter__(self):
@@ -49,6 +50,8 @@ class Count(TorchDispatchMode):
         ret = func._schema.returns
         if name in ("_local_scalar_dense", "is_nonzero", "equal"):
             self.syncs += 1
+        elif name == "lift_fresh":
+            self.from_host += 1
         elif not ((ret and ret[0].alias_info is not None and not ret[0].alias_info.is_write)
                   or name.startswith("empty")):
             self.ops[name] += 1
@@ -123,6 +126,7 @@ def test_a_clean_step_reads_the_device_once_and_adds_two_operators(fmt):
 
     got = _count(ours)
     assert got.syncs == base.syncs == 1, (got.syncs, base.syncs)
+    assert got.from_host == 0, "a tensor made from host data: on a GPU, a second wait for the stream"
     added = got.ops - base.ops
     if fmt == "fp16":  # the GradScaler is the gate; the norm is the monitor's figure (one read of the gradients)
         grads = [torch.ones(3), torch.ones(4)]
