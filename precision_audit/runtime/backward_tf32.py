@@ -21,14 +21,16 @@ between its exit node and its enter node, hence run between the two. A gradient 
 back when the backward ends (an engine callback), never left changed.
 
 Under ``torch.compile`` (traced code) no marks are made: the compiled graph's kernels are chosen when it is
-compiled. A module whose forward returns anything other than tensors, tuples, lists or dicts of them is left
-unmarked (its backward runs under its surroundings' switches), and logged once.
+compiled. The outputs are looked for in tensors, tuples, lists and mappings (an HF ``ModelOutput``) of them; a
+module whose forward returns none that needs a gradient in these is left unmarked (its backward runs under its
+surroundings' switches), and logged once.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -167,27 +169,44 @@ def _marked(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.requires_grad and x.is_floating_point()
 
 
-def _collect(out: Any) -> list[torch.Tensor] | None:
-    """The floating outputs that need a gradient, or None for a structure the runtime does not look into."""
+_DEPTH = 4  # how deep into tuples, lists and mappings the outputs are looked for
+
+
+def _collect(out: Any, into: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    """The floating tensors that need a gradient in ``out``: a tensor, or tuples, lists and mappings of them (an HF
+    ``ModelOutput`` is a mapping), down to _DEPTH levels; other objects' tensors are not looked for."""
     if isinstance(out, torch.Tensor):
-        return [out] if _marked(out) else []
-    if type(out) in (tuple, list) or (isinstance(out, tuple) and hasattr(out, "_fields")):
-        return [v for v in out if _marked(v)] if all(not isinstance(v, (tuple, list, dict)) for v in out) else None
-    if type(out) is dict:
-        return [v for v in out.values() if _marked(v)] if all(
-            not isinstance(v, (tuple, list, dict)) for v in out.values()) else None
-    return [] if out is None else None
+        if _marked(out):
+            into.append(out)
+    elif depth < _DEPTH and isinstance(out, (tuple, list)):
+        for v in out:
+            _collect(v, into, depth + 1)
+    elif depth < _DEPTH and isinstance(out, Mapping):
+        for v in out.values():
+            _collect(v, into, depth + 1)
+    return into
 
 
-def _rebuild(out: Any, new: dict[int, torch.Tensor]) -> Any:
+def _rebuild(out: Any, new: dict[int, torch.Tensor], depth: int = 0) -> Any:
+    """``out`` with each collected tensor replaced by its alias: tuples (named ones too), lists and plain dicts are
+    rebuilt; another mapping (an HF ModelOutput, whose items are also its attributes) is updated in place."""
     if isinstance(out, torch.Tensor):
         return new.get(id(out), out)
+    if depth >= _DEPTH:
+        return out
     if isinstance(out, tuple):
-        items: list[Any] = [new.get(id(v), v) for v in out]
-        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
+        items: list[Any] = [_rebuild(v, new, depth + 1) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
     if isinstance(out, list):
-        return [new.get(id(v), v) for v in out]
-    return {k: new.get(id(v), v) for k, v in out.items()}
+        return [_rebuild(v, new, depth + 1) for v in out]
+    if type(out) is dict:
+        return {k: _rebuild(v, new, depth + 1) for k, v in out.items()}
+    if isinstance(out, MutableMapping):
+        for k, v in list(out.items()):
+            w = _rebuild(v, new, depth + 1)
+            if w is not v:
+                out[k] = w
+    return out
 
 
 def run_marked(want: bool | tuple[str, bool] | Tf32State, name: str, module: torch.nn.Module, args: tuple, kwargs: dict,
@@ -202,14 +221,12 @@ def run_marked(want: bool | tuple[str, bool] | Tf32State, name: str, module: tor
     cell = _Cell(want)
     token = _Exit.apply(cell, leaf)
     out = call()
-    outs = _collect(out)
-    if outs is None:
-        if name not in _UNMARKED:
-            _UNMARKED.add(name)
-            log.info("the backward of %r runs under its surroundings' TF32 switches: its forward returns a %s, "
-                     "which the runtime does not look into", name or "(root)", type(out).__name__)
-        return out
+    outs = _collect(out, [])
     if not outs:
+        if out is not None and not isinstance(out, torch.Tensor) and name not in _UNMARKED:
+            _UNMARKED.add(name)
+            log.info("the backward of %r runs under its surroundings' TF32 switches: no tensor that needs a "
+                     "gradient was found in the %s its forward returns", name or "(root)", type(out).__name__)
         return out
     marked = _Enter.apply(cell, token, zero, *outs)
     return _rebuild(out, {id(t): m for t, m in zip(outs, marked)})

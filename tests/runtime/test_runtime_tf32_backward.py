@@ -196,3 +196,51 @@ def test_in_place_on_an_output_and_tuple_outputs_keep_working(user_switches):
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert snapshot() == user_switches
+
+
+class Out(dict):
+    """As Hugging Face's ModelOutput: a mapping whose items are also attributes."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+def test_outputs_in_mappings_and_nested_tuples_are_marked(user_switches):
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.aux = nn.Linear(8, 8)
+
+        def forward(self, x):
+            out = Out()
+            out["logits"] = self.lin(x)
+            out["extra"] = ((self.aux(x), 3), "text")
+            return out
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+            self.head = Head()
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    _watch(model)
+    fp, n = fingerprint(model)
+    policy = Policy(model_class="Net", model_fingerprint=fp, model_modules=n, target_name="t",
+                    target_compute_capability=None, default_format="bf16",
+                    modules={"head": ModuleOverride("tf32", "test")}, loss_scaling=LossScaling(enabled=False),
+                    model_layout=model_layout(model))
+    SEEN.clear()
+    with pa.apply_policy(model, policy, device_type="cuda"):
+        with pa.autocast(policy, "cpu"):
+            out = model(torch.randn(3, 8))
+        assert isinstance(out, Out) and out.logits is out["logits"] and out["extra"][0][1] == 3
+        (out.logits.sum() + out["extra"][0][0].sum()).backward()
+    assert dict(SEEN) == {"head.lin.weight": ON, "head.aux.weight": ON, "body.weight": OFF}
+    assert snapshot() == user_switches
