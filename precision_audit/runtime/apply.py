@@ -11,7 +11,9 @@ survives ``copy.deepcopy`` (the copy's wrapper points at the copy).
   dicts); on CUDA, TF32 is switched off inside (strict IEEE fp32).
 - ``tf32``: as ``fp32``, but with TF32 switched on inside (``torch.backends.cuda.matmul.allow_tf32`` and
   ``torch.backends.cudnn.allow_tf32``, or their ``fp32_precision`` equivalents when the program uses the newer
-  API), the user's exact settings restored after (precision_audit/tf32_switches.py).
+  API), the user's exact settings restored after (precision_audit/tf32_switches.py). On CUDA the module's
+  backward runs under the same switches, and the whole model's under those its forward began in
+  (runtime/backward_tf32.py).
 - ``bf16`` / ``fp16``: autocast in that dtype (e.g. an fp16 module inside a bf16 default). The autocast weight
   cache is only used when the dtype is the policy's default one: a weight shared by modules in two
   low-precision formats would otherwise be served from the cache in the wrong dtype.
@@ -102,7 +104,6 @@ class _TF32:
     changed them."""
 
     def __init__(self, on: bool, cudnn: bool | None = None) -> None:
-        self.on = on
         self.want = (on, on if cudnn is None else cudnn)
         self.saved: Tf32State | None = None
 
