@@ -1,7 +1,7 @@
 """Runtime overhead: a training step with the policy applied and the controller, against the same step written by
 hand with the same guarantees (issue 33, decision 3), measured in one run.
 
-    python bench/runtime_overhead.py [--repeats 300] [--format bf16|fp16] [--count]
+    python bench/runtime_overhead.py [--repeats 300] [--format bf16|fp16] [--count] [--ab]
     python bench/runtime_overhead.py --device cuda                                   # on a GPU: 512 wide
     PA_WIDTH=4096 PA_BATCH=8192 python bench/runtime_overhead.py --device cuda --repeats 50
 
@@ -20,9 +20,11 @@ policy keeps two modules in FP32, and the hand-written steps keep the same two i
 - the same after ``controller.close()`` (no source hooks), and the policy's wrappers with the step by hand.
 
 Rounds are interleaved, the order of the rows rotating every round, so that load that drifts hits every row alike;
-the ratios are medians over rounds of each round's paired ratio. ``--count`` also counts, per step, the operators
-dispatched (those that are not views: about one kernel launch each on a GPU) and the reads to the host (device
-syncs), with a counting ``TorchDispatchMode``: the CPU's proxy for what a launch-bound GPU step pays.
+the ratios are medians over rounds of each round's paired ratio (with a bootstrap interval for the headline one).
+``--ab`` times the headline pair only, back to back and alternating, which a loaded machine disturbs less.
+``--count`` also counts, per step, the operators dispatched (those that are not views: about one kernel launch
+each on a GPU), the reads to the host (device syncs) and the tensors made from host data, with a counting
+``TorchDispatchMode``: the CPU's proxy for what a launch-bound GPU step pays.
 """
 
 from __future__ import annotations
@@ -127,6 +129,15 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median (percentile method, fixed seed)."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(len(values), (resamples, len(values)), generator=g)
+    meds = v[idx].median(dim=1).values.sort().values
+    return float(meds[int(0.025 * resamples)]), float(meds[int(0.975 * resamples) - 1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=300)
@@ -135,6 +146,9 @@ def main() -> None:
                          "timed between two device synchronisations)")
     ap.add_argument("--format", default="bf16", choices=tuple(DTYPES), help="the policy's default format")
     ap.add_argument("--count", action="store_true", help="also count operators and host reads per step")
+    ap.add_argument("--ab", action="store_true",
+                    help="time only the baseline and apply_policy + controller.step, alternating (ABBA), with the "
+                         "policy applied and one controller throughout: the headline ratio, less exposed to load")
     args = ap.parse_args()
     dev, dtype = args.device, DTYPES[args.format]
     model, source = load_model(str(ROOT / "bench" / "models" / "residual_mlp.py"))
@@ -224,17 +238,29 @@ def main() -> None:
             finally:
                 handle.remove()
 
-        order = list(ROWS)
-        times: dict[str, list[float]] = {k: [] for k in ROWS}
-        for r in range(args.repeats + 5):
-            rot = r % len(order)
-            for what in order[rot:] + order[:rot]:
-                t = run(what)
-                if r >= 5:  # warm-up rounds
-                    times[what].append(t)
+        times: dict[str, list[float]] = {k: [] for k in (("checked", "ours") if args.ab else ROWS)}
+        if args.ab:  # the headline pair only, the policy applied and one controller throughout, as in training
+            handle = pa.apply_policy(model, policy, device_type=dev)
+            box["controller"] = ctl = pa.controller(model, opt, policy, device=dev)
+            pair = {"checked": steps["checked"], "ours": with_policy}
+            for r in range(args.repeats + 5):
+                for what in (("checked", "ours"), ("ours", "checked"))[r % 2]:
+                    t = one(pair[what])
+                    if r >= 5:  # warm-up rounds
+                        times[what].append(t)
+            ctl.close()
+            handle.remove()
+        else:
+            order = list(ROWS)
+            for r in range(args.repeats + 5):
+                rot = r % len(order)
+                for what in order[rot:] + order[:rot]:
+                    t = run(what)
+                    if r >= 5:  # warm-up rounds
+                        times[what].append(t)
         counts = {}
         if args.count:
-            for what in ROWS:
+            for what in times:
                 run(what)  # warm
                 with CountOps() as c:
                     run(what)
@@ -242,20 +268,27 @@ def main() -> None:
     where = (f"{torch.cuda.get_device_name()}, torch's {args.format} autocast" if dev == "cuda"
              else f"{torch.get_num_threads()} threads, emulated {args.format}")
     print(f"torch {torch.__version__}, {where}; residual MLP probe {model.blocks[0].fc1.in_features} wide, "
-          f"{len(model.blocks)} blocks, batch {batch.args[0].shape[0]}; {args.repeats} interleaved rounds")
+          f"{len(model.blocks)} blocks, batch {batch.args[0].shape[0]}; {args.repeats} interleaved rounds"
+          + (" (A/B: the baseline and the controller's step alternating)" if args.ab else ""))
     head = f"{'step':<38} {'median ms':>10} {'ratio':>7}"
     if counts:
         head += f" {'ops/step':>9} {'syncs':>6} {'from host':>9}"
     print(head)
-    for what, label in ROWS.items():
+    for what in times:
         ratio = statistics.median(a / b for a, b in zip(times[what], times["checked"]))
-        line = f"{label:<38} {statistics.median(times[what]) * 1e3:>10.3f} {ratio:>6.3f}x"
+        line = f"{ROWS[what]:<38} {statistics.median(times[what]) * 1e3:>10.3f} {ratio:>6.3f}x"
         if counts:
             line += f" {sum(counts[what].kernels.values()):>9} {counts[what].syncs:>6} {counts[what].from_host:>9}"
         print(line)
-    hooks = statistics.median(a - b for a, b in zip(times["ours"], times["no_hooks"]))
-    print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step "
-          f"({hooks / statistics.median(times['no_hooks']):+.1%} of the step without them)")
+    ratios = [a / b for a, b in zip(times["ours"], times["checked"])]
+    lo, hi = _median_ci(ratios)
+    q = statistics.quantiles(ratios, n=4)
+    print(f"apply_policy + controller.step / baseline, paired per round: median {statistics.median(ratios):.3f}x, "
+          f"95% CI of the median {lo:.3f}-{hi:.3f}x, quartiles {q[0]:.3f}-{q[2]:.3f}x")
+    if "no_hooks" in times:
+        hooks = statistics.median(a - b for a, b in zip(times["ours"], times["no_hooks"]))
+        print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step "
+              f"({hooks / statistics.median(times['no_hooks']):+.1%} of the step without them)")
     if counts:
         extra = counts["ours"].kernels - counts["checked"].kernels
         fewer = counts["checked"].kernels - counts["ours"].kernels
