@@ -20,7 +20,13 @@ How each part is faked:
   README "How GPU numerics are measured without a GPU"), and ``torch.is_autocast_enabled("cuda")`` /
   ``torch.get_autocast_dtype("cuda")`` answer for it;
 - NVML: a fake ``pynvml`` module (the calls ``precision_audit/hardware.py`` makes) reports the same GPU;
-- the profiler is asked for CPU activity only (Kineto has no CUDA here).
+- the profiler is asked for CPU activity only (Kineto has no CUDA here);
+- pinned host memory (``pin_memory=True``): a CPU tensor, counted by a model of CUDA's caching host allocator
+  (``FakeCuda.host``: blocks rounded up to a power of two, a freed block cached until
+  ``torch.accelerator.empty_host_cache()``);
+- with ``cuda_dropout=True``, ``F.dropout`` in training runs ``native_dropout`` as on CUDA, whose mask depends on
+  the input's dtype at the same generator state (CUDA's kernel advances each element's RNG offset by a
+  dtype-dependent unroll): the same seed then gives other masks in fp16/bf16 than in fp32.
 
 Example::
 
@@ -43,6 +49,7 @@ from typing import Any
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _MISSING = object()
 
@@ -171,6 +178,79 @@ def _fake_pynvml(props: FakeDeviceProperties, count: int) -> types.ModuleType:
 
 
 @dataclass
+class FakeHostMemory:
+    """CUDA's caching host (pinned) allocator, as far as the audit's memory goes: a request takes a block of the
+    next power of two (a cached one of that size if there is one); a freed block stays cached, pinned, until
+    :meth:`empty_cache` (``torch.accelerator.empty_host_cache``)."""
+
+    active: int = 0
+    peak: int = 0
+    cached: list[int] = field(default_factory=list)
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(self.cached)
+
+    def allocate(self, t: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        n = t.numel() * t.element_size()
+        size = 1 << max(0, (n - 1).bit_length())
+        if size in self.cached:
+            self.cached.remove(size)
+        self.active += size
+        self.peak = max(self.peak, self.active)
+        weakref.finalize(t, self._free, size)
+        return t
+
+    def _free(self, size: int) -> None:
+        self.active -= size
+        self.cached.append(size)
+
+    def empty_cache(self) -> None:
+        self.cached.clear()
+
+    def stats(self) -> dict[str, int]:
+        """The fields of ``torch.cuda.host_memory_stats()`` the tests read."""
+        return {"allocated_bytes.current": self.active + self.cached_bytes, "active_bytes.current": self.active}
+
+
+class _PinnedAndDropout(TorchFunctionMode):
+    """``pin_memory=True`` allocations go to :class:`FakeHostMemory`; with ``cuda_dropout``, ``F.dropout`` in
+    training runs ``native_dropout``, as CUDA's ``dropout`` does (the CPU's draws a ``bernoulli_`` mask instead)."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+            return self.fake.host.allocate(func(*args, **kwargs))
+        if self.fake.cuda_dropout and func is torch.nn.functional.dropout:
+            x = args[0]
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+            if training and 0 < p < 1 and not inplace:
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
+
+
+class _DtypeDependentDropout(TorchDispatchMode):
+    """``native_dropout`` whose mask depends on the input's dtype at the same generator state, as CUDA's: a
+    16-bit input's mask is drawn after 4 more numbers than an fp32 input's (CUDA's vectorised kernel gives each
+    element another RNG offset per dtype)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.native_dropout.default and args[2] is not False and args[0].dtype != torch.float32:
+            torch.rand(4, device=args[0].device)
+        return func(*args, **kwargs)
+
+
+@dataclass
 class FakeCuda:
     """Context manager installing the fake device (see the module docstring); ``device_count`` GPUs alike."""
 
@@ -179,9 +259,12 @@ class FakeCuda:
     memory: FakeMemory = field(default_factory=FakeMemory)
     synchronize_calls: int = 0
     events_created: int = 0
+    cuda_dropout: bool = False  # F.dropout as CUDA's: native_dropout, masks depending on the dtype (module doc)
+    host: FakeHostMemory = field(default_factory=FakeHostMemory)
 
     def __post_init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
+        self._host_modes: list[Any] = []
         self._rng: dict[int, torch.Tensor] = {}
         self._mode: _CudaToCpu | None = None
         self._policy: Any = None
@@ -308,7 +391,17 @@ class FakeCuda:
         self._policy.__enter__()
         self._mode = _CudaToCpu()
         self._mode.__enter__()
+        self._enter_host_and_dropout()
         return self
+
+    def _enter_host_and_dropout(self) -> None:
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None:
+            self._patch(accelerator, "empty_host_cache", self.host.empty_cache)
+        self._patch(torch.cuda, "host_memory_stats", self.host.stats)
+        self._host_modes = [_PinnedAndDropout(self)] + ([_DtypeDependentDropout()] if self.cuda_dropout else [])
+        for m in self._host_modes:
+            m.__enter__()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -328,6 +421,9 @@ class FakeCuda:
         self.memory.resets += 1
 
     def __exit__(self, *exc: Any) -> None:
+        for m in reversed(self._host_modes):
+            m.__exit__(*exc)
+        self._host_modes = []
         if self._mode is not None:
             self._mode.__exit__(*exc)
             self._mode = None
