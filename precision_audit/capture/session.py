@@ -251,6 +251,7 @@ class CaptureSession(ReferencePass, FormatPasses):
                 self._producers.clear()
                 self._draws.clear()
                 self._call_ops.clear()
+                self._batch_call_records.clear()  # their FP32 outputs are in the store: released with it
                 self._refs.close()
             finally:
                 try:
