@@ -90,6 +90,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     final_params: dict[str, list[torch.Tensor]] = {}
     skipped: dict[str, int] = {}
     errors: dict[str, str] = {}
+    draws = _StepDraws(mode == "cuda")
     with contextlib.ExitStack() as stack:
         # every GPU's generator is put back, not just the one the arms run on (a model may draw on another)
         stack.enter_context(host_rng.fork())
@@ -112,8 +113,8 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                 with (tf32_switches(matmul=False, cudnn=False) if arm == "fp32" and mode == "cuda"
                       else contextlib.nullcontext()), _armed(arm, policy, m, opt, device_type, mode,
                                                                      device) as step:
-                    for _ in range(opts.steps):
-                        with autocast(dtype):
+                    for i in range(opts.steps):
+                        with autocast(dtype), draws.step(arm, i):
                             loss = loss_of(forward(m))
                         lv, skip = step(loss)
                         losses.append(lv if math.isfinite(lv) else None)
@@ -126,6 +127,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                     raise _fp32_arm_failed(e, opts, m) from e
             curves[arm] = losses
             final_params[arm] = [p.detach().float().cpu() for p in m.parameters()]
+    draws.warn()
     final_rel, param_rel = _divergence(curves, final_params)
     failure = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
     if failure is None and "policy_fp8" in curves:
@@ -133,6 +135,45 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     return VerifyResult(steps=opts.steps, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed, mode=mode,
                         curves=curves, skipped_steps=skipped, errors=errors, final_loss_rel_change=final_rel,
                         param_rel_change=param_rel, policy_failure=failure, policy_safe=failure is None)
+
+
+class _StepDraws:
+    """On CUDA, every arm's step k sees the FP32 arm's dropout masks of step k: seeding each arm alike is not
+    enough there, the dropout kernel's draws depend on the dtype (capture/rng_replay.py; docs/gpu.md). The FP32
+    arm records each step's draws (generator states and layouts, not the masks), the other arms replay them; so
+    the arms' divergence is their arithmetic's, not their masks'. Elsewhere the CPU kernels draw the same masks
+    from the same seed whatever the dtype, and nothing is recorded."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.steps: list[Any] = []  # RandomDraws of each FP32 step
+        self.mismatches: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def step(self, arm: str, i: int) -> Iterator[None]:
+        from .capture.rng_replay import RandomDraws, recording, replaying
+
+        if not self.on:
+            yield
+            return
+        if arm == "fp32":
+            self.steps.append(RandomDraws())
+            with recording(self.steps[-1]):
+                yield
+            return
+        with replaying(self.steps[i] if i < len(self.steps) else RandomDraws()) as r:
+            try:
+                yield
+            finally:
+                self.mismatches[arm] = self.mismatches.get(arm, 0) + r.mismatches
+
+    def warn(self) -> None:
+        self.steps.clear()
+        for arm, n in self.mismatches.items():
+            if n:
+                log.warning("verify: %d random draw(s) of the %s arm had no draw of the same shape at the same "
+                            "position in the FP32 arm's step and were drawn anew: its dropout masks differ there",
+                            n, arm)
 
 
 def _divergence(curves: dict[str, list[float | None]], final_params: dict[str, list[torch.Tensor]]
