@@ -195,6 +195,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         # kernel with no Half/BFloat16 implementation (then every later pass uses it).
         self._use_gemm_mode = False
         self._timer = StepTimer(self)
+        # each forward's saved-tensor counter, until the pass is over: then its saved tensors are let go, so that
+        # a graph no backward freed goes too (capture/memory.py, _Saved)
+        self._counters: list[SavedTensorCounter] = []
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:
@@ -252,6 +255,7 @@ class CaptureSession(ReferencePass, FormatPasses):
                 self._draws.clear()
                 self._call_ops.clear()
                 self._batch_call_records.clear()  # their FP32 outputs are in the store: released with it
+                self._release_saved()
                 self._refs.close()
             finally:
                 try:
@@ -262,7 +266,13 @@ class CaptureSession(ReferencePass, FormatPasses):
                     self._exit.close()
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _release_saved(self) -> None:
+        for c in self._counters:
+            c.release_saved()
+        self._counters.clear()
+
     def _reset(self) -> None:
+        self._release_saved()  # the last pass's backward has run
         self._state.reset_buffers()
         if [p._version for p in self.model.parameters()] != self._param_versions:
             raise ModelRunError("the model changed its own parameters in place during a forward pass, so passes "
@@ -490,6 +500,7 @@ class CaptureSession(ReferencePass, FormatPasses):
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
         counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
+        self._counters.append(counter)
         self._out_hooks = OutputGradHooks()
         try:
             if fmt is None:
