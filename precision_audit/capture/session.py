@@ -114,6 +114,9 @@ class CaptureSession(ReferencePass, FormatPasses):
     #: whether the second order's backward asks for the module outputs' gradients only (capture/reference_pass.py,
     #: _reference_backward); the distributed session's FSDP2 hooks need every parameter's gradient
     _outputs_only_backward = True
+    #: each forward's saved-tensor counter, until its pass is over: then its saved tensors are let go, so that a
+    #: graph no backward freed goes too (capture/memory.py, _Saved)
+    _counters: list[SavedTensorCounter]
 
     def __init__(
         self,
@@ -194,10 +197,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         # The dispatch mode costs a Python call per op; it is switched on only when the model hits a CPU
         # kernel with no Half/BFloat16 implementation (then every later pass uses it).
         self._use_gemm_mode = False
-        self._timer = StepTimer(self)
-        # each forward's saved-tensor counter, until the pass is over: then its saved tensors are let go, so that
-        # a graph no backward freed goes too (capture/memory.py, _Saved)
-        self._counters: list[SavedTensorCounter] = []
+        self._timer, self._counters = StepTimer(self), []
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:
