@@ -32,7 +32,7 @@ from precision_audit.errors import BatchError
 
 from .failures import exception_text, raise_site, type_name
 from .model import ModelSource
-from .nested import dtype_name, map_tensors, named_tensors, output_structure
+from .nested import check_nesting, dtype_name, map_tensors, named_tensors, output_structure
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,7 @@ def _plain_signature(signature: inspect.Signature) -> inspect.Signature:
 
 
 def _interpret(raw: Any, model: nn.Module, label: str) -> Batch:
+    check_nesting(raw, label)
     arity = _forward_arity(model)
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
