@@ -40,7 +40,8 @@ import torch
 from .analysis.findings import Budget
 from .audit import _OUT_FOLDERS, AuditOptions, AuditResult, Subject, _absolute, _out_path, compute_audit, result_of
 from .errors import BatchError, LossError, ModelInUseError, ModelLoadError, OptionError
-from .loading import ModelSource, _interpret, check_nesting, check_trainable, model_exit_error
+from .loading import ModelSource, _interpret, check_trainable, model_exit_error
+from .loading.nested import check_nesting
 from .options import _short_repr
 from .outputs import check_out_dir
 from .policy.schema import unwrap_model

@@ -34,7 +34,7 @@ from .batch import Batch, load_batch
 from .failures import model_exit_error
 from .loss import LossKind, LossSpec, resolve_loss
 from .model import DEFAULT_MODEL_NAMES, ModelSource, check_trainable, load_model
-from .nested import check_nesting, output_structure
+from .nested import output_structure
 
 __all__ = [
     "DEFAULT_MODEL_NAMES",
@@ -42,7 +42,6 @@ __all__ = [
     "LossKind",
     "LossSpec",
     "ModelSource",
-    "check_nesting",
     "check_trainable",
     "load_batch",
     "load_model",

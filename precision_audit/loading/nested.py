@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_DEPTH", "check_nesting", "dtype_name", "floating_leaves", "map_tensors", "named_tensors",
-           "output_structure"]
+__all__ = ["check_nesting", "dtype_name", "floating_leaves", "map_tensors", "named_tensors", "output_structure"]
 
 #: How deep a batch's containers may nest (a Hugging Face batch is a dict of tensors: depth 1). Every walk over a
 #: batch recurses once per level; past Python's recursion limit (1000 frames) it would raise RecursionError.
