@@ -1,4 +1,4 @@
-"""``precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp [--out FILE]``.
+"""``precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp|torchao|torchtitan [--out FILE]``.
 
 Writes the nearest equivalent of a policy for another training stack (:mod:`precision_audit.policy.exporters`)
 to stdout, or atomically to ``--out``; what the target cannot express is written into the output (a
@@ -24,7 +24,8 @@ Export a precision-audit policy to the settings another training stack reads:
   accelerate  Python: Accelerator(mixed_precision=..., GradScalerKwargs) + per-module part
   fsdp        Python: FSDP MixedPrecision / FSDP2 MixedPrecisionPolicy, per-module units, ShardedGradScaler
   torchao     Python: convert_to_float8_training of the policy's FP8 modules, one config per recipe
-  torchtitan  TOML: [float8] recipe_name and filter_fqns (the linears kept in high precision)
+  torchtitan  Python for torchtitan 0.3: Float8LinearConverter.Config's recipe_name and filter_fqns (the linears
+              kept in high precision)
 Each output says what the target cannot express (e.g. DeepSpeed has no per-module formats).
 """
 
