@@ -331,6 +331,9 @@ def _write_outputs(out: Path, given: Path, record: AuditRecord, policy: Policy, 
 
 def _out_path(out: Any) -> Path:
     if isinstance(out, (str, os.PathLike)) and str(os.fspath(out)).strip():
+        if "\0" in str(os.fspath(out)):  # no file system takes it; os.stat would raise ValueError at the end
+            raise OptionError("out holds a NUL character", expected="a folder path without NUL characters",
+                              found=_short_repr(os.fspath(out)))
         return Path(os.fspath(out))
     raise OptionError("out has the wrong type", expected="a folder path (str or pathlib.Path), not empty",
                       found=f"{type(out).__name__}: {_short_repr(out)}")

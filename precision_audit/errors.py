@@ -76,6 +76,10 @@ class ModelRunError(AuditError):
     """The user's model raised while the audit ran it (its own error, with the module it happened in)."""
 
 
+class ModelInUseError(AuditError):
+    """The model is being audited already (another thread's audit, or an audit called from inside one)."""
+
+
 class NumericsError(AuditError):
     """The FP32 reference itself is not finite, so nothing can be compared against it."""
 

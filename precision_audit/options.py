@@ -32,6 +32,11 @@ def _short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+#: The most rows per training step ``--tokens-per-step`` takes: 2**40, a million times the largest steps trained
+#: today, and far inside a float's range (10**400 rows raised OverflowError in the FP8 cost model: exit 3).
+MAX_TOKENS_PER_STEP = 2 ** 40
+
+
 @dataclass(frozen=True)
 class AuditOptions:
     """Everything the command line can set. ``formats=None`` means every capturable format the target supports.
@@ -58,8 +63,9 @@ class AuditOptions:
     def __post_init__(self) -> None:
         self._coerce_and_check_types()
         t = self.fp8_tokens_per_step
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise OptionError("--tokens-per-step must be a whole number >= 1", found=repr(t),
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_TOKENS_PER_STEP):
+            raise OptionError(f"--tokens-per-step must be a whole number from 1 to {MAX_TOKENS_PER_STEP} (2**40)",
+                              found=_short_repr(t),
                               hint="the rows (batch x sequence) one training step feeds each linear, e.g. 65536")
         if t is not None and not fp8_requested(self.formats):
             raise OptionError("--tokens-per-step prices the FP8 plan, and no FP8 format is audited",

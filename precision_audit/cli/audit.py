@@ -122,7 +122,7 @@ def _audit_parser() -> argparse.ArgumentParser:
                         "loss change 0.01, output relative L2 error 0.05)")
     p.add_argument("--tokens-per-step", type=int, default=None, metavar="N",
                    help="with an FP8 format: the rows (batch x sequence) one training step feeds each linear, for "
-                        "the FP8 plan's cost (default: the audited batch's; docs/fp8.md)")
+                        "the FP8 plan's cost, at most 2**40 (default: the audited batch's; docs/fp8.md)")
     from ..distributed import add_options as add_distributed_options  # --nproc, --shard (issue 15)
 
     add_distributed_options(p)

@@ -125,7 +125,10 @@ def _layout_fingerprint(layout: Mapping[str, str]) -> str:
     h = hashlib.sha256()
     for name, entry in layout.items():
         type_name, _, rest = entry.partition("[")
-        h.update(f"{name}\t{type_name}\t{rest[:-1] if rest.endswith(']') else rest}\n".encode())
+        # surrogatepass: a name holding a lone surrogate (add_module takes any string, a policy.json any \ud800
+        # escape) hashes instead of raising UnicodeEncodeError; every other string encodes exactly as UTF-8
+        h.update(f"{name}\t{type_name}\t{rest[:-1] if rest.endswith(']') else rest}\n".encode("utf-8",
+                                                                                             "surrogatepass"))
     return "sha256:" + h.hexdigest()
 
 
