@@ -257,7 +257,7 @@ def off_default(audit: R.AuditRecord, g: Grouping) -> list[tuple[str, list[str],
     for name, o in (audit.plan.overrides or {}).items():
         fmt = o.format if isinstance(o, R.ModulePlan) and o.format is not None else "?"
         by.setdefault(str(fmt), []).append(name or "(model)")
-    for name, recipe in fp8_moves(audit):
+    for name, recipe, _ in fp8_moves(audit):
         by.setdefault(recipe, []).append(name)
     return [(f, compress_names(names, g), len(names)) for f, names in by.items()]
 
@@ -272,13 +272,13 @@ def _fp8_planned(audit: R.AuditRecord) -> dict[str, Mapping[str, Any]]:
     return {str(n): m for n, m in mods.items() if isinstance(m, Mapping) and m.get("recipe")}
 
 
-def fp8_moves(audit: R.AuditRecord) -> list[tuple[str, str]]:
-    """(module, recipe) for each linear layer the FP8 plan converts (docs/fp8.md)."""
-    return [(n, str(m["recipe"])) for n, m in _fp8_planned(audit).items()]
-
-
-def fp8_reasons(audit: R.AuditRecord) -> dict[str, str]:
-    return {n: str(m.get("reason", "")) for n, m in _fp8_planned(audit).items()}
+def fp8_moves(audit: R.AuditRecord) -> list[tuple[str, str, str]]:
+    """(module, recipe, reason) for each linear layer the FP8 plan converts (docs/fp8.md)."""
+    out = []
+    for n, m in _fp8_planned(audit).items():
+        recipe, reason = str(m["recipe"]), str(m.get("reason", ""))
+        out.append((n, recipe, reason.removeprefix(f"{recipe}: ")))
+    return out
 
 
 def _tied(a: float, b: float) -> bool:
@@ -312,16 +312,16 @@ def why_chosen(plan: R.PlanReport) -> str | None:
     parts = []
     for c in tied:
         if c.overrides != chosen.overrides:
-            why = f"fewer overrides ({chosen.overrides} against {c.overrides})"
+            why = f"fewer overrides ({chosen.overrides}, {c.overrides})"
         elif c.loss_scaling != chosen.loss_scaling:
-            why = f"no loss scaling ({c.label} needs a GradScaler)"
+            why = "no loss scaling" if not chosen.loss_scaling else "fewer loss-scaled modules"
         else:
             why = f"the format order ({chosen.default_format} before {c.default_format})"
-        parts.append(f"{c.label}: {why}")
-    text = (f"{chosen.label} and {', '.join(c.label for c in tied)} have the same estimated step time "
-            f"({fmt_seconds(t0)}) and are within budget; {TIE_RULE}. {chosen.label} wins over " + "; ".join(parts))
+        parts.append(f"{why} against {c.label}")
+    text = (f"{chosen.label} ties with {', '.join(c.label for c in tied)} at an estimated {fmt_seconds(t0)} per "
+            f"step, all within budget; {TIE_RULE}; so {chosen.label} wins, on " + "; ".join(parts))
     return "; ".join([text, *out_of])
 
 
-__all__ = ["FORMAT_ORDER", "TIE_RULE", "TIME_TIE", "columns", "fp8_moves", "fp8_reasons", "gemm_modules",
+__all__ = ["FORMAT_ORDER", "TIE_RULE", "TIME_TIE", "columns", "fp8_moves", "gemm_modules",
            "layer_rows", "layer_tags", "off_default", "plan_summary", "why_chosen"]

@@ -89,11 +89,12 @@ class Grouping:
 
 
 def _ranges(items: Sequence[str]) -> str:
-    """``0…23`` for consecutive integers, else the items joined by commas."""
-    if all(s.isdigit() for s in items) and items:
+    """``0…23`` for consecutive integers, ``0,2,…,498`` for every other one, else the items joined by commas."""
+    if all(s.isdigit() for s in items) and len(items) > 2:
         nums = [int(s) for s in items]
-        if nums == list(range(nums[0], nums[0] + len(nums))) and len(nums) > 2:
-            return f"{nums[0]}…{nums[-1]}"
+        step = nums[1] - nums[0]
+        if step > 0 and nums == list(range(nums[0], nums[-1] + 1, step)):
+            return f"{nums[0]}…{nums[-1]}" if step == 1 else f"{nums[0]},{nums[1]},…,{nums[-1]}"
     return ",".join(items)
 
 

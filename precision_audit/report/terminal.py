@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ..record import AlignmentRanking, AuditRecord, LossScale, PlanReport, StepTime
+from .grouped import fp8_moves, why_chosen
 from .numbers import fmt_num, fmt_scale, fmt_seconds
 
 STAGE_FORMAT = "{desc} {elapsed}"
@@ -195,6 +196,10 @@ def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
     lines += alignment_lines(r.alignment)
     lines.append(f"  plan: {r.verdict.message}")
     lines += _plan_lines(r.plan)
+    lines += [f"    {name} -> {recipe} (FP8 plan, docs/fp8.md): {reason}" for name, recipe, reason in fp8_moves(r)]
+    why = why_chosen(r.plan)
+    if why:
+        lines.append(f"    why {r.plan.default_format}: {why}")
     if r.mode == "emulated":
         lines.append("  numerics emulated on the CPU (no GPU); see the report's warnings")
     return "\n".join(lines)
