@@ -1,4 +1,4 @@
-"""``precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp [--out FILE]``.
+"""``precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp|torchao|torchtitan [--out FILE]``.
 
 Writes the nearest equivalent of a policy for another training stack (:mod:`precision_audit.policy.exporters`)
 to stdout, or atomically to ``--out``; what the target cannot express is written into the output (a

@@ -128,6 +128,9 @@ def build_view(audit: R.AuditRecord, policy: Mapping[str, Any] | None) -> dict[s
 
     view["fp8"] = fp8_view({"fp8": audit.fp8} if audit.fp8 is not None else {})
 
+    from .terminal import PROFILER_TAB, TRACES_WHEN
+
+    view["traces_when"], view["profiler_tab"] = TRACES_WHEN, PROFILER_TAB
     view.update(_policy_view(policy))
     return view
 
