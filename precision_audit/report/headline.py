@@ -14,7 +14,7 @@ from typing import Any
 
 from .. import record as R
 from .grouped import off_default, why_chosen
-from .groups import Grouping, grouping
+from .groups import Grouping, compress_names, grouping
 from .numbers import fmt_num, fmt_scale
 from .picks import given, is_gap, note_of, relative_to_fp32, speedup, step_time, summary_of
 
@@ -127,8 +127,9 @@ def warnings(audit: R.AuditRecord, formats: list[str]) -> list[str]:
         for e in (L.error or {}).values():
             if isinstance(e, R.LayerError) and e.local is None and e.local_note:
                 local_missing.setdefault(e.local_note, []).append(L.name or "(model)")
+    g = grouping(layers) if local_missing else None
     for note, mods in local_missing.items():
-        uniq = list(dict.fromkeys(mods))
+        uniq = compress_names(mods, g) if g is not None else mods  # a block's repeats written once: h.*.mlp
         notes.append(f"local error not measured for {', '.join(uniq[:5])}{' …' if len(uniq) > 5 else ''}: {note}")
     memory = audit.memory if isinstance(audit.memory, R.Memory) else None
     for rec in ((memory.per_format if memory else None) or {}).values():
