@@ -268,12 +268,18 @@ def _copy_tensors(value: Any, memo: dict[int, torch.Tensor]) -> Any:
 
 
 class TqdmProgress:
-    """Progress for :func:`audit`: one ``tqdm.auto`` bar (a widget in Jupyter, text elsewhere) that counts the
-    audit's stages and names the current one; ``close()`` finishes it."""
+    """Progress for :func:`audit`: one ``tqdm.auto`` bar (a widget in Jupyter with ipywidgets, text elsewhere) that
+    counts the audit's stages and names the current one; ``close()`` finishes it."""
 
     def __init__(self) -> None:
-        from tqdm.auto import tqdm
+        import importlib.util
 
+        if importlib.util.find_spec("ipywidgets") is None:
+            # tqdm.auto in a Jupyter kernel without ipywidgets warns "IProgress not found" (a red box) before it
+            # falls back to this text bar: take the text bar ourselves (README.md, "In a notebook")
+            from tqdm.std import tqdm
+        else:
+            from tqdm.auto import tqdm
         self._bar = tqdm(total=None, desc="precision-audit", unit="stage",
                          bar_format="{desc} [{n_fmt} stages, {elapsed}]", leave=True)
 

@@ -102,7 +102,7 @@ EXIT_INTERRUPTED = 130
 
 
 #: The oldest torch release precision-audit runs on. The test suite passes on 2.9.1, 2.11.0, 2.12.0 and 2.13.0
-#: (README.md, "torch releases"); 2.6 lacks what the audit uses: the ``fp32_precision`` TF32 switches,
+#: (docs/development.md, "torch releases"); 2.6 lacks what the audit uses: the ``fp32_precision`` TF32 switches,
 #: ``torch.float8_e8m0fnu`` (MX FP8) and FSDP2 on the gloo backend.
 MIN_TORCH = (2, 9)
 

@@ -17,7 +17,7 @@ How each part is faked:
   ``Tensor.cuda()``, ``pin_memory()``) to the CPU;
 - ``torch.autocast("cuda", dtype)``: CUDA autocast cannot act on CPU tensors, so it is routed to the
   project's emulation of CUDA autocast (``CudaAutocastPolicy`` + ``torch.autocast("cpu", dtype)``; see
-  README "How GPU numerics are measured without a GPU"), and ``torch.is_autocast_enabled("cuda")`` /
+  docs/emulation.md, "In short"), and ``torch.is_autocast_enabled("cuda")`` /
   ``torch.get_autocast_dtype("cuda")`` answer for it;
 - NVML: a fake ``pynvml`` module (the calls ``precision_audit/hardware.py`` makes) reports the same GPU;
 - the profiler is asked for CPU activity only (Kineto has no CUDA here);

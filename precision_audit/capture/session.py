@@ -146,7 +146,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.reference: RunRecord | None = None
         self.runs: dict[Format, RunRecord] = {}
         # parameter -> where its FP32 gradient is not finite (only parameters that have such positions): a format
-        # pass is judged on the non-finite gradients it adds, not on FP32's own (README.md, audit.json)
+        # pass is judged on the non-finite gradients it adds, not on FP32's own (docs/report.md)
         self._ref_grad_nonfinite: dict[int, torch.Tensor] = {}
         self.step_times: dict[str, list[float]] = {}
         self.memory: dict[str, dict[str, int]] = {}

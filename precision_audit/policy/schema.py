@@ -328,6 +328,18 @@ class Policy:
         if self.model_layout is not None:
             _check_layout(self.model_layout, self.model_fingerprint, self.model_modules)
 
+    def __repr__(self) -> str:
+        """One line: the model, target, default format, the overrides (the first few named), loss scale, TF32."""
+        from .display import policy_repr
+
+        return policy_repr(self)
+
+    def _repr_html_(self) -> str:
+        """A notebook cell's view: the same, with every override's format and reason in a table."""
+        from .display import policy_html
+
+        return policy_html(self)
+
     # -- queries -----------------------------------------------------------------------------------------
 
     def format_for(self, module_name: str) -> str:
