@@ -303,7 +303,9 @@ class CaptureSession(ReferencePass, FormatPasses):
             return
         dtype = LOW_PRECISION_DTYPES[fmt]
         if self.config.mode == "cuda":
-            with torch.autocast("cuda", dtype=dtype):
+            # TF32 off, as in the FP32 reference and its local re-runs: what autocast leaves in fp32 is strict fp32
+            # in every pass, as the emulation computes it (docs/gpu.md, "TF32 switches")
+            with tf32_switches(matmul=False, cudnn=False), torch.autocast("cuda", dtype=dtype):
                 yield
         else:
             with emulated_autocast(dtype, self._gemm if self._use_gemm_mode else None):
@@ -322,10 +324,13 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     @contextlib.contextmanager
     def _backward_context(self, fmt: Format | None = None) -> Iterator[None]:
-        """The backward of a ``fmt`` pass: TF32's gradient GEMMs on TF32 too; emulated fp16/bf16 under the
-        fp32-fallback dispatch mode once it is on."""
+        """The backward of a ``fmt`` pass: TF32's gradient GEMMs on TF32 too, fp16/bf16's with TF32 off on CUDA;
+        emulated fp16/bf16 under the fp32-fallback dispatch mode once it is on."""
         if fmt is Format.TF32:
             with self._tf32():
+                yield
+        elif self.config.mode == "cuda":  # TF32 off, as in the forward (_autocast)
+            with tf32_switches(matmul=False, cudnn=False):
                 yield
         elif self.config.mode == "emulated" and self._use_gemm_mode:
             with self._gemm:

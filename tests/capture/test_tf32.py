@@ -308,3 +308,38 @@ def test_the_cuda_tf32_pass_runs_forward_and_backward_with_both_switches_on_and_
         assert snapshot() == before
     finally:
         restore(saved)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("user", ["legacy-high", "new-tf32"])
+def test_cuda_bf16_passes_and_local_reruns_run_under_the_same_tf32_switches(user, fake_cuda):
+    """Issue 31 item 7: a local re-run in BF16 ran inside the FP32 reference (TF32 off) while the whole BF16 pass ran
+    under the user's switches (here on): what autocast leaves in fp32 was computed two ways. Both strict now, as
+    the emulation computes them, forward and backward, with the user's settings back after."""
+    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.tf32_switches import restore, snapshot, tf32_enabled
+
+    saved = snapshot()
+    try:
+        if user == "legacy-high":
+            torch.set_float32_matmul_precision("high")
+        else:
+            torch.backends.fp32_precision = "tf32"
+        before = snapshot()
+        assert tf32_enabled() == (True, True)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        forward, backward = [], []
+        model[0].register_forward_pre_hook(lambda m, a: forward.append(tf32_enabled()))
+        model[0].register_full_backward_hook(lambda m, gi, go: backward.append(tf32_enabled()))
+        x = torch.randn(4, 8, device="cuda")
+        cfg = CaptureConfig(formats=(Format.BF16,), device="cuda", mode="cuda", timed_steps=1)
+        with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(), cfg) as s:
+            s.reference_run()
+            assert s.format_run(Format.BF16).error is None
+            s.timed_steps(1)
+        # reference forward, its BF16 re-run, the BF16 pass, then the timed steps (fp32 and bf16, each warm-up + 1)
+        assert forward and set(forward) == {(False, False)}, forward
+        assert backward and set(backward) == {(False, False)}, backward
+        assert snapshot() == before
+    finally:
+        restore(saved)
