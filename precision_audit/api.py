@@ -72,6 +72,7 @@ def audit(
     steps: int = 1,
     seed: int = 0,
     kernels: str = "auto",
+    trace: bool = False,
 ) -> AuditResult:
     """Audit ``model`` on ``batch`` in memory; returns the :class:`~precision_audit.audit.AuditResult`.
 
@@ -85,7 +86,8 @@ def audit(
       it nothing is written (call ``result.save(folder)`` later).
     - ``progress``: True shows a ``tqdm.auto`` progress bar (a widget in Jupyter), False nothing, or a
       callable taking each stage's message.
-    - ``device``, ``emulate``, ``steps``, ``seed``, ``kernels``: as the command line's options of those names.
+    - ``device``, ``emulate``, ``steps``, ``seed``, ``kernels``, ``trace``: as the command line's options of those
+      names.
 
     ``model`` is left exactly as it was (parameters, buffers, gradients, modes, hooks, random state). Bad
     arguments raise an :class:`~precision_audit.errors.AuditError` subclass before anything runs.
@@ -99,7 +101,7 @@ def audit(
                          module=_loss_module(fn))
     opts = AuditOptions(model=source.spec, batch=None, out=_absolute(out) if out is not None else Path("audit"),
                         target=target, formats=formats, device=device, emulate=emulate, steps=steps, seed=seed,
-                        budget=budget_obj, kernels=kernels)
+                        budget=budget_obj, kernels=kernels, trace=trace)
     check_trainable(inner, source)
     subject = Subject(inner, source, _interpret(_copy_tensors(batch_raw, {}), inner, BATCH_LABEL))
     # the bar is made when the audit starts, after the arguments are checked

@@ -315,6 +315,10 @@ def _write_outputs(out: Path, given: Path, record: AuditRecord, policy: Policy, 
         stage.write("report.html", html)
         for name, data in traces.items():
             stage.write(f"tb/{name}", data)
+        no_trace = _no_trace_text(record)
+        if no_trace is not None:
+            stage.write(f"tb/{NO_TRACE_FILE}", no_trace)
+        stage.replace_old("tb", NO_TRACE_FILE)
         # an --out holds one audit's files: an earlier audit's profiler traces (tb/<format>/, named by
         # capture/timing.py's trace handler) go when these are committed, also for formats this run lacks
         stage.replace_old("tb", TRACE_PATTERN)
@@ -341,6 +345,29 @@ _OUT_FOLDERS = ("tb", "tb/audit")
 #: The profiler traces an audit writes under tb/<format>/ (torch's tensorboard_trace_handler with the worker
 #: name "precision-audit-<format>", capture/timing.py); what a new audit replaces (docs/report.md, TensorBoard).
 TRACE_PATTERN = "*/precision-audit-*.pt.trace.json"
+#: In tb/ when the audit took no profiler trace: why, and how to get one (replaced by an audit with traces).
+NO_TRACE_FILE = "NO_PROFILER_TRACE.txt"
+_TRACE_NOTE = ("torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or TensorBoard with "
+               "the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)")
+
+
+def traces_note(taken: bool, steps: int, mode: str) -> str:
+    """audit.json's ``traces.note``: what the trace files are, or why there are none although steps were timed
+    (docs/gpu.md, "Timed steps"). Without timed steps (``--steps 0``) it keeps the description it always had."""
+    if taken or not steps:
+        return _TRACE_NOTE
+    clock = "CUDA events" if mode == "cuda" else "the wall clock"
+    return (f"no profiler trace taken: the timed steps were timed with {clock}, not under torch.profiler (its "
+            "start-up takes seconds per run on a GPU); run with --trace (trace=True) for torch.profiler traces of "
+            "them under tb/<format>/")
+
+
+def _no_trace_text(record: AuditRecord) -> str | None:
+    """tb/NO_PROFILER_TRACE.txt's text, when the audit timed steps without tracing them (the default on a GPU):
+    tb/ then holds only the audit's scalars, and says why (with ``--steps 0`` nothing was timed to trace)."""
+    if record.traces is None or record.traces.files or not record.options.steps:
+        return None
+    return f"No profiler trace in this audit: {record.traces.note}\n"
 
 
 def _absolute(p: Path) -> Path:
@@ -396,7 +423,7 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
                            timed_steps=setup.steps, kernels=setup.kernels)
     model = subject.model
     with (session_factory or CaptureSession)(model, run.forward, run.loss_of, config, progress=say) as session:
-        capture, noise = _capture(session, setup, run, say)
+        capture, noise = _capture(session, setup, run, say, opts.trace)
         say("analysing")
         analysis = analyse(capture, opts.budget, noise)
         perf = _performance(capture, setup, model, say)
@@ -430,10 +457,10 @@ def _policy(model: torch.nn.Module, fp: str, n_modules: int, target: GpuSpec, pl
                         analysis.summaries.get(Format.TF32))
 
 
-def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Progress
+def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Progress, trace: bool = False
              ) -> tuple[CaptureResult, NoiseFloor | None]:
     """The FP32 reference, one pass per format (FP16 at the loss scale its gradients need), the noise floor
-    and the timed steps."""
+    and the timed steps (profiled too with ``trace``)."""
     formats = setup.formats
     say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
     session.reference_run()
@@ -455,8 +482,9 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
         say("FP32 noise floor: the reference and each format re-run forward at a second reduction order")
         noise = measure_noise_floor(session, formats)
     if setup.steps:
-        say(f"profiling {setup.steps} timed step(s) per format on {setup.device} (after one warm-up step)")
-        session.timed_steps(setup.steps)
+        say(f"timing {setup.steps} step(s) per format on {setup.device} (after one warm-up step)"
+            + (", then profiling them for the traces" if trace else ""))
+        session.timed_steps(setup.steps, traces=trace)
     return session.result(), noise
 
 
@@ -559,8 +587,7 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
         estimates=assemble.estimates(perf, target.name),
         memory=perf.memory,
         traces=R.Traces(dir="tb", files=sorted(f"tb/{k}" for k in capture.traces),
-                        note="torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
-                             "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"),
+                        note=traces_note(bool(capture.traces), setup.steps, setup.mode)),
         alignment=assemble.section(R.AlignmentRanking, alignment),
         # the uniform FP16 pass's scale, and in "plan" the one re-derived for the modules the plan runs in FP16
         loss_scale=assemble.section(R.LossScale, analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None),

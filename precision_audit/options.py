@@ -54,6 +54,8 @@ class AuditOptions:
     kernels: str = "auto"
     #: rows per training step each linear is priced at in the FP8 plan; None: the audited batch's (docs/fp8.md)
     fp8_tokens_per_step: int | None = None
+    #: also run the timed steps under torch.profiler and keep its traces for tb/ (docs/gpu.md, "Timed steps")
+    trace: bool = False
 
     def __post_init__(self) -> None:
         self._coerce_and_check_types()
@@ -117,6 +119,8 @@ class AuditOptions:
                 raise wrong(name, "a str")
         if not isinstance(self.emulate, bool):
             raise wrong("emulate", "True or False")
+        if not isinstance(self.trace, bool):
+            raise wrong("trace", "True or False")
         if isinstance(self.steps, bool):
             raise wrong("steps", "None, or a whole number >= 0 (int)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -1,7 +1,7 @@
 """Alignment, cost and memory findings: how fast each format would be on the target, and what it holds.
 
 Estimates come from the cost model (cost.py) and are labelled as estimates; measured figures come from the
-capture's profiled steps and saved-tensor counts and are labelled with where they were measured.
+capture's timed steps and saved-tensor counts and are labelled with where they were measured.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class LayerRecord:
     notes: list[str] = field(default_factory=list)
     ops: ModuleOps = field(default_factory=ModuleOps)  # what it computed itself in the FP32 forward
     saved_bytes: dict[str, int] = field(default_factory=dict)  # "fp32"/format -> activation bytes saved for backward
-    measured_time_s: dict[str, float] = field(default_factory=dict)  # format -> profiled time per step (inclusive)
+    measured_time_s: dict[str, float] = field(default_factory=dict)  # format -> instrumented time per step (inclusive)
 
 
 @dataclass

@@ -13,7 +13,7 @@ each module call to the pass that is running. The passes live in their own modul
 
 - capture/reference_pass.py: the FP32 reference, each computing module re-run alone per format (local error);
 - capture/format_pass.py: one pass per format (accumulated error), and the plan's verification forward;
-- capture/timing.py: the profiled and clean timed steps;
+- capture/timing.py: the clean, instrumented and (on request) profiled timed steps;
 - capture/op_tracker.py: which ops each module runs itself, during the reference forward;
 - capture/model_state.py: what the passes change on the model, and its exact restore.
 
@@ -545,8 +545,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         if note not in rec.notes:
             rec.notes.append(note)
 
-    def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
-        """Per format, ``steps`` profiled steps, then ``steps`` clean ones (capture/timing.py)."""
+    def timed_steps(self, steps: int, traces: bool = False) -> dict[str, list[float]]:
+        """Per format, ``steps`` clean steps, then ``steps`` instrumented ones; with ``traces``, ``steps``
+        profiled ones per format for the traces (capture/timing.py)."""
         return self._timer.run(steps, traces)
 
     def result(self) -> CaptureResult:

@@ -174,7 +174,7 @@ def test_estimates_are_labelled_and_bf16_beats_fp32(sample_audits):
 
 
 def test_profiler_traces_are_written_and_hold_events_for_each_format(sample_audits):
-    _, out, _ = sample_audits.get("mlp", steps=1)  # timed steps are off by default in emulated mode
+    _, out, _ = sample_audits.get("mlp", steps=1, trace=True)  # timed steps are off by default in emulated mode
     a = json.loads((out / "audit.json").read_text())
     files = a["traces"]["files"]
     for fmt in ("fp32", "fp16", "bf16"):
