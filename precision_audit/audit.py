@@ -14,6 +14,7 @@ The module is also callable: ``precision_audit.audit(model, batch, ...)`` audits
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -35,7 +36,6 @@ from .analysis.findings import Analysis, analyse
 from .analysis.gemm_timing import measure_gemms_on_gpu
 from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import Performance, performance
-from .capture.compiled import resolve as resolve_kernels
 from .capture.noise import NoiseFloor, measure_noise_floor
 from .capture.records import CaptureResult, RunRecord
 from .capture.runner import CaptureConfig, CaptureSession
@@ -44,8 +44,7 @@ from .errors import ModelRunError, OptionError
 from .formats import Format
 from .fp8.audit import fp8_stage
 from .fp8.audit import requested as fp8_requested
-from .gpus import GpuSpec, resolve_target
-from .hardware import HardwareInfo, default_target, detect
+from .gpus import GpuSpec
 from .loading import (
     Batch,
     LossSpec,
@@ -57,7 +56,7 @@ from .loading import (
     resolve_loss,
 )
 from .loading.nested import named_tensors
-from .options import AuditOptions, _short_repr, resolve_device, select_formats
+from .options import AuditOptions, RunSetup, _short_repr, resolve_device, resolve_steps, set_up
 from .outputs import Staging, check_out_dir
 from .planning.rules import Plan, plan_mixed_precision
 from .planning.verified import ChosenPlan, choose_verified_plan, plan_verifier
@@ -149,50 +148,6 @@ class AuditResult:
 
 
 Progress = Callable[[str], None]
-
-
-def resolve_steps(steps: int | None, mode: str) -> int:
-    """The timed steps per format: as asked, else 1 in cuda mode and 0 in emulated mode, where the CPU's timing
-    of an emulated step says nothing about the target GPU (README.md, ``--steps``)."""
-    if steps is not None:
-        return steps
-    return 1 if mode == "cuda" else 0
-
-
-@dataclass(frozen=True)
-class RunSetup:
-    """The request met with this machine and the target: resolved once, before anything runs."""
-
-    hardware: HardwareInfo
-    target: GpuSpec
-    target_reason: str
-    formats: tuple[Format, ...]
-    skipped: list[dict[str, str]]
-    device: str
-    mode: str
-    steps: int
-    kernels: str
-
-    @property
-    def time_label(self) -> str:
-        """Where measured times were measured, as audit.json labels them."""
-        if self.mode == "cuda" and self.hardware.gpus:
-            return f"{self.hardware.gpus[0].name} (cuda)"
-        return (f"this machine's {self.device.upper()} ("
-                + ("emulated numerics; CPU time, not a GPU estimate" if self.mode == "emulated" else "cuda") + ")")
-
-
-def set_up(opts: AuditOptions) -> RunSetup:
-    """The hardware, the target, the formats, the device, the mode, the timed steps and the kernels."""
-    hw = detect()
-    if opts.target:
-        target, target_reason = resolve_target(opts.target), "chosen with --target"
-    else:
-        target, target_reason = default_target(hw)
-    formats, skipped = select_formats(opts, target)
-    device, mode = resolve_device(opts.device, opts.emulate, hw)
-    return RunSetup(hw, target, target_reason, formats, skipped, device, mode, resolve_steps(opts.steps, mode),
-                    resolve_kernels(opts.kernels) if mode == "emulated" else "python")
 
 
 class SubjectRun:
@@ -414,10 +369,19 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
     if subject is None:
         say("loading the model and the batch")
         subject = load_subject(opts)
-    setup = set_up(opts)
-    say(f"target {setup.target.name} ({setup.target_reason}); {setup.mode} mode on {setup.device}"
+    setup = set_up(opts, subject.model)
+    on = setup.device if setup.gpu_index is None else f"{setup.device}:{setup.gpu_index}"
+    say(f"target {setup.target.name} ({setup.target_reason}); {setup.mode} mode on {on}"
         f"{f' ({setup.kernels} kernels)' if setup.mode == 'emulated' else ''}; "
         f"formats: {', '.join(f.value for f in setup.formats) or 'none'}")
+    # "cuda" is the current CUDA device for every tensor, event and statistic of the audit: the model's own
+    with torch.cuda.device(setup.gpu_index) if setup.gpu_index is not None else contextlib.nullcontext():
+        return _compute(opts, setup, subject, say, session_factory)
+
+
+def _compute(opts: AuditOptions, setup: RunSetup, subject: Subject, say: Progress,
+             session_factory: Callable[..., Any] | None) -> AuditComputation:
+    """compute_audit's passes, analysis and plan, on the device ``setup`` resolved."""
     run = SubjectRun(subject.source, subject.batch, setup.device)
     config = CaptureConfig(formats=setup.formats, device=setup.device, mode=setup.mode, seed=opts.seed,
                            timed_steps=setup.steps, kernels=setup.kernels)
