@@ -178,6 +178,12 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
                                      other_ops=rec.ops.other_ops, other_elements=rec.ops.other_elements,
                                      estimated_step_time_s=per_fmt)
         layers[rec.name] = LayerPerformance(alignment, cost, dict(rec.saved_bytes), dict(rec.measured_time_s))
+    outside = capture.outside_ops  # the loss: part of the step, in no module's record
+    loss_s = {f.value: layer_cost(outside, f, target, 4).step_time_s for f in est_formats} \
+        if outside.gemms or outside.other_ops else {}
+    for k, v in loss_s.items():
+        totals[k] += v
+    kernels += step_kernels(outside)
     base = totals.get("fp32") or 0.0
     speedup = {k: (base / v if v > 0 else None) for k, v in totals.items()}
     memory = _memory(capture, param_bytes, trainable_params)
@@ -187,6 +193,9 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
         fastest = min(totals.values())
         assumptions += (f"this model: {kernels:,} kernels per step, so no step is estimated below "
                         f"{floor * 1e6:.4g} µs ({floor / fastest:.0%} of the fastest format's estimate)",)
+    if loss_s:  # in the step, in no layer's cost (audit.json's layers add up to the step less this)
+        assumptions += ("the ops outside the model's modules (the loss): "
+                        + ", ".join(f"{k} {v * 1e6:.6g} µs" for k, v in loss_s.items()) + " of each step",)
     return Performance(layers=layers, step_time_s=totals, speedup_vs_fp32=speedup, formats=est_formats,
                        memory=memory, assumptions=assumptions, kernels=kernels, floor_s=floor)
 

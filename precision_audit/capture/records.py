@@ -123,3 +123,5 @@ class CaptureResult:
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
     traces: dict[str, bytes] = field(default_factory=dict)  # file name -> profiler trace (for tb/)
     time_label: str = ""
+    #: the ops the reference forward ran outside every module (the loss), for the cost model's step
+    outside_ops: ModuleOps = field(default_factory=ModuleOps)

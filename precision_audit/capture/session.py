@@ -50,6 +50,7 @@ from .gemm_mode import TF32_EMULATION, Tf32GemmMode
 from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
+from .ops import ModuleOps
 from .output_grads import OutputGradHooks
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
@@ -177,6 +178,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         # tracker: the repeat at the second order runs the same ops and reads them from here, untracked
         self._call_ops: dict[tuple[int, int], tuple[int, int]] = {}
         self._call_index: dict[int, int] = {}
+        self._outside_ops = ModuleOps()  # the reference forward's ops outside every module (capture/op_tracker.py)
         self._ref_outputs: dict[int, list[list[Kept]]] = {}
         self._clone_cache: dict[int, tuple[weakref.ref, int, Kept]] = {}
         # the reference's kept tensors: on the host on a GPU, in a temporary file on a CPU (reference_store.py)
@@ -582,5 +584,6 @@ class CaptureSession(ReferencePass, FormatPasses):
             + self._reseeds.warning(),
             memory=dict(self.memory),
             traces=dict(self.traces),
+            outside_ops=self._outside_ops,
         )
 
