@@ -67,6 +67,8 @@ class Performance:
     kernels: int = 0
     #: kernels x the per-kernel floor: no format's estimated step is below it (analysis/cost.py)
     floor_s: float = 0.0
+    #: per format, the ops outside every module (the loss): in ``step_time_s``, in no layer's cost
+    outside_step_time_s: dict[str, float] = field(default_factory=dict)
 
 
 def _element_bytes(rec: LayerRecord, fmt: Format) -> int:
@@ -197,7 +199,8 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
         assumptions += ("the ops outside the model's modules (the loss): "
                         + ", ".join(f"{k} {v * 1e6:.6g} µs" for k, v in loss_s.items()) + " of each step",)
     return Performance(layers=layers, step_time_s=totals, speedup_vs_fp32=speedup, formats=est_formats,
-                       memory=memory, assumptions=assumptions, kernels=kernels, floor_s=floor)
+                       memory=memory, assumptions=assumptions, kernels=kernels, floor_s=floor,
+                       outside_step_time_s=loss_s)
 
 
 PEAK_BASIS = ("peak GPU allocation of one clean (uninstrumented) forward+backward step above what was allocated "
