@@ -158,7 +158,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._pre_rng: list[Any] = []
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
         self._draw_mismatches = 0
-        self._rerunning = False
+        self._rerunning, self._outside_ops = False, ModuleOps()  # ops outside every module: the loss (op_tracker.py)
         # Calls on the batch itself (capture/reference_pass.py, BatchCall): the root call's tensor arguments with
         # their versions, and (module, call) -> what the format passes need to measure the call's local error
         self._batch_tensors: dict[int, tuple[torch.Tensor, int]] = {}
@@ -178,7 +178,6 @@ class CaptureSession(ReferencePass, FormatPasses):
         # tracker: the repeat at the second order runs the same ops and reads them from here, untracked
         self._call_ops: dict[tuple[int, int], tuple[int, int]] = {}
         self._call_index: dict[int, int] = {}
-        self._outside_ops = ModuleOps()  # the reference forward's ops outside every module (capture/op_tracker.py)
         self._ref_outputs: dict[int, list[list[Kept]]] = {}
         self._clone_cache: dict[int, tuple[weakref.ref, int, Kept]] = {}
         # the reference's kept tensors: on the host on a GPU, in a temporary file on a CPU (reference_store.py)
