@@ -82,6 +82,7 @@ def audit(
     steps: int = 1,
     seed: int = 0,
     kernels: str = "auto",
+    trace: bool = False,
 ) -> AuditResult:
     """Audit ``model`` on ``batch`` in memory; returns the :class:`~precision_audit.audit.AuditResult`.
 
@@ -95,7 +96,8 @@ def audit(
       it nothing is written (call ``result.save(folder)`` later).
     - ``progress``: True shows a ``tqdm.auto`` progress bar (a widget in Jupyter), False nothing, or a
       callable taking each stage's message.
-    - ``device``, ``emulate``, ``steps``, ``seed``, ``kernels``: as the command line's options of those names.
+    - ``device``, ``emulate``, ``steps``, ``seed``, ``kernels``, ``trace``: as the command line's options of those
+      names.
 
     ``model`` is left exactly as it was (parameters, buffers, gradients, modes, hooks, random state), and so is
     the caller's context (autocast, grad mode, TF32 switches): inside the caller's ``torch.autocast`` the audit's
@@ -119,7 +121,7 @@ def _audit(inner: torch.nn.Module, batch_raw: Any, fn: Any, budget_obj: Budget, 
                          module=_loss_module(fn))
     opts = AuditOptions(model=source.spec, batch=None, out=_absolute(out) if out is not None else Path("audit"),
                         target=target, formats=formats, device=device, emulate=emulate, steps=steps, seed=seed,
-                        budget=budget_obj, kernels=kernels)
+                        budget=budget_obj, kernels=kernels, trace=trace)
     check_trainable(inner, source)
     check_nesting(batch_raw, BATCH_LABEL)
     subject = Subject(inner, source, _interpret(_copy_tensors(batch_raw, {}), inner, BATCH_LABEL))

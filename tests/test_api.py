@@ -388,7 +388,7 @@ def test_repr_html_renders_in_a_browser(tmp_path):
 
 def test_save_writes_the_profiler_traces_of_the_timed_steps(tmp_path):
     torch.manual_seed(0)
-    r = precision_audit.audit(_Tiny(), torch.randn(4, 8), steps=1, formats="bf16", progress=False)
+    r = precision_audit.audit(_Tiny(), torch.randn(4, 8), steps=1, formats="bf16", progress=False, trace=True)
     traces = r.audit["traces"]["files"]
     assert traces and r.files == []
     r.save(tmp_path / "t")
