@@ -107,12 +107,12 @@ def audit(
     inner, batch_raw, fn, budget_obj, shown = _check_arguments(model, batch, loss_fn, budget, progress)
     with _one_audit_at_a_time(inner), _plain_fp32_context():
         return _audit(inner, batch_raw, fn, budget_obj, shown, target=target, formats=formats, out=out,
-                      device=device, emulate=emulate, steps=steps, seed=seed, kernels=kernels)
+                      device=device, emulate=emulate, steps=steps, seed=seed, kernels=kernels, trace=trace)
 
 
 def _audit(inner: torch.nn.Module, batch_raw: Any, fn: Any, budget_obj: Budget, shown: bool | Callable[[str], None],
            *, target: str | None, formats: Any, out: str | os.PathLike[str] | None, device: str, emulate: bool,
-           steps: int, seed: int, kernels: str) -> AuditResult:
+           steps: int, seed: int, kernels: str, trace: bool) -> AuditResult:
     if out is not None:
         out = _out_path(out)
         check_out_dir(out, _OUT_FOLDERS)
