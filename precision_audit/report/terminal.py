@@ -32,7 +32,7 @@ from .numbers import fmt_num, fmt_scale, fmt_seconds
 
 #: When the audit records profiler traces, and what shows them (docs/report.md, "TensorBoard"): said once here for
 #: the terminal and the report, so a new way to ask for traces is a change of this line.
-TRACES_WHEN = "--steps 1 or more records them (1 by default on a GPU, 0 in emulated mode)"
+TRACES_WHEN = "--trace records them, with --steps 1 or more (1 by default on a GPU, 0 in emulated mode)"
 PROFILER_TAB = "TensorBoard's PyTorch Profiler tab needs pip install \"precision-audit[tensorboard]\""
 
 STAGE_FORMAT = "{desc} {elapsed}"
