@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from . import host_rng
-from .errors import SEED_MAX, SEED_MIN, ModelRunError, OptionError
-from .policy.schema import Policy, named_modules
+from .errors import SEED_MAX, SEED_MIN, ModelRunError, OptionError, PolicyError
+from .policy.schema import RUNTIME_FORMATS, Policy, named_modules
 from .record import VerifyResult
 from .tf32_switches import tf32_switches
 
@@ -81,6 +81,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
             return torch.autocast("cuda", dtype=dtype)
         return emulated_autocast(dtype)
 
+    check_runtime_formats(policy)
     policy_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy.default_format)
     arms = [("fp32", None), ("policy", policy_dtype)]
     if check_fp8_arm(model, policy, mode, device):
@@ -90,6 +91,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     final_params: dict[str, list[torch.Tensor]] = {}
     skipped: dict[str, int] = {}
     errors: dict[str, str] = {}
+    draws = _StepDraws(mode == "cuda")
     with contextlib.ExitStack() as stack:
         # every GPU's generator is put back, not just the one the arms run on (a model may draw on another)
         stack.enter_context(host_rng.fork())
@@ -112,8 +114,8 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                 with (tf32_switches(matmul=False, cudnn=False) if arm == "fp32" and mode == "cuda"
                       else contextlib.nullcontext()), _armed(arm, policy, m, opt, device_type, mode,
                                                                      device) as step:
-                    for _ in range(opts.steps):
-                        with autocast(dtype):
+                    for i in range(opts.steps):
+                        with autocast(dtype), draws.step(arm, i):
                             loss = loss_of(forward(m))
                         lv, skip = step(loss)
                         losses.append(lv if math.isfinite(lv) else None)
@@ -126,6 +128,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                     raise _fp32_arm_failed(e, opts, m) from e
             curves[arm] = losses
             final_params[arm] = [p.detach().float().cpu() for p in m.parameters()]
+    draws.warn()
     final_rel, param_rel = _divergence(curves, final_params)
     failure = policy_failure(errors, curves.get("policy") or [], final_params.get("policy") or [])
     if failure is None and "policy_fp8" in curves:
@@ -133,6 +136,45 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
     return VerifyResult(steps=opts.steps, optimizer=opts.optimizer, lr=opts.lr, seed=opts.seed, mode=mode,
                         curves=curves, skipped_steps=skipped, errors=errors, final_loss_rel_change=final_rel,
                         param_rel_change=param_rel, policy_failure=failure, policy_safe=failure is None)
+
+
+class _StepDraws:
+    """On CUDA, every arm's step k sees the FP32 arm's dropout masks of step k: seeding each arm alike is not
+    enough there, the dropout kernel's draws depend on the dtype (capture/rng_replay.py; docs/gpu.md). The FP32
+    arm records each step's draws (generator states and layouts, not the masks), the other arms replay them; so
+    the arms' divergence is their arithmetic's, not their masks'. Elsewhere the CPU kernels draw the same masks
+    from the same seed whatever the dtype, and nothing is recorded."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.steps: list[Any] = []  # RandomDraws of each FP32 step
+        self.mismatches: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def step(self, arm: str, i: int) -> Iterator[None]:
+        from .capture.rng_replay import RandomDraws, recording, replaying
+
+        if not self.on:
+            yield
+            return
+        if arm == "fp32":
+            self.steps.append(RandomDraws())
+            with recording(self.steps[-1]):
+                yield
+            return
+        with replaying(self.steps[i] if i < len(self.steps) else RandomDraws()) as r:
+            try:
+                yield
+            finally:
+                self.mismatches[arm] = self.mismatches.get(arm, 0) + r.mismatches
+
+    def warn(self) -> None:
+        self.steps.clear()
+        for arm, n in self.mismatches.items():
+            if n:
+                log.warning("verify: %d random draw(s) of the %s arm had no draw of the same shape at the same "
+                            "position in the FP32 arm's step and were drawn anew: its dropout masks differ there",
+                            n, arm)
 
 
 def _divergence(curves: dict[str, list[float | None]], final_params: dict[str, list[torch.Tensor]]
@@ -215,6 +257,20 @@ def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> No
             with torch.autocast("cpu", enabled=False):
                 return _inner(x.to(dtype).float()).to(dtype)
         m.forward = forward
+
+
+def check_runtime_formats(policy: Policy) -> None:
+    """Refuse, before any arm trains, a policy whose default or module formats the runtime cannot apply (autocast has
+    no fp8; FP8 modules go in the policy's ``fp8`` section): its arm would fail after the FP32 arm had trained, and
+    the policy be called unsafe (exit 1) for what is a policy the runtime does not take (exit 2)."""
+    bad = {n or "(root)": o.format for n, o in policy.modules.items() if o.format not in RUNTIME_FORMATS}
+    if policy.default_format not in RUNTIME_FORMATS:
+        bad = {"(default)": policy.default_format, **bad}
+    if bad:
+        listing = ", ".join(f"{n}: {f}" for n, f in list(bad.items())[:12]) + (" ..." if len(bad) > 12 else "")
+        raise PolicyError(f"verify cannot train this policy: the runtime cannot put these modules in their format "
+                          f"(autocast has no fp8): {listing}", choices=RUNTIME_FORMATS,
+                          hint="FP8 modules belong in the policy's fp8 section (docs/fp8.md); or change the policy")
 
 
 def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str, device: str = "cpu") -> bool:

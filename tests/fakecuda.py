@@ -17,10 +17,16 @@ How each part is faked:
   ``Tensor.cuda()``, ``pin_memory()``) to the CPU;
 - ``torch.autocast("cuda", dtype)``: CUDA autocast cannot act on CPU tensors, so it is routed to the
   project's emulation of CUDA autocast (``CudaAutocastPolicy`` + ``torch.autocast("cpu", dtype)``; see
-  README "How GPU numerics are measured without a GPU"), and ``torch.is_autocast_enabled("cuda")`` /
+  docs/emulation.md, "In short"), and ``torch.is_autocast_enabled("cuda")`` /
   ``torch.get_autocast_dtype("cuda")`` answer for it;
 - NVML: a fake ``pynvml`` module (the calls ``precision_audit/hardware.py`` makes) reports the same GPU;
-- the profiler is asked for CPU activity only (Kineto has no CUDA here).
+- the profiler is asked for CPU activity only (Kineto has no CUDA here);
+- pinned host memory (``pin_memory=True``): a CPU tensor, counted by a model of CUDA's caching host allocator
+  (``FakeCuda.host``: blocks rounded up to a power of two, a freed block cached until
+  ``torch.accelerator.empty_host_cache()``);
+- with ``cuda_dropout=True``, ``F.dropout`` in training runs ``native_dropout`` as on CUDA, whose mask depends on
+  the input's dtype at the same generator state (CUDA's kernel advances each element's RNG offset by a
+  dtype-dependent unroll): the same seed then gives other masks in fp16/bf16 than in fp32.
 
 Example::
 
@@ -43,6 +49,7 @@ from typing import Any
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _MISSING = object()
 
@@ -171,31 +178,111 @@ def _fake_pynvml(props: FakeDeviceProperties, count: int) -> types.ModuleType:
 
 
 @dataclass
+class FakeHostMemory:
+    """CUDA's caching host (pinned) allocator, as far as the audit's memory goes: a request takes a block of the
+    next power of two (a cached one of that size if there is one); a freed block stays cached, pinned, until
+    :meth:`empty_cache` (``torch.accelerator.empty_host_cache``)."""
+
+    active: int = 0
+    peak: int = 0
+    cached: list[int] = field(default_factory=list)
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(self.cached)
+
+    def allocate(self, t: torch.Tensor) -> torch.Tensor:
+        import weakref
+
+        n = t.numel() * t.element_size()
+        size = 1 << max(0, (n - 1).bit_length())
+        if size in self.cached:
+            self.cached.remove(size)
+        self.active += size
+        self.peak = max(self.peak, self.active)
+        weakref.finalize(t, self._free, size)
+        return t
+
+    def _free(self, size: int) -> None:
+        self.active -= size
+        self.cached.append(size)
+
+    def empty_cache(self) -> None:
+        self.cached.clear()
+
+    def stats(self) -> dict[str, int]:
+        """The fields of ``torch.cuda.host_memory_stats()`` the tests read."""
+        return {"allocated_bytes.current": self.active + self.cached_bytes, "active_bytes.current": self.active}
+
+
+class _PinnedAndDropout(TorchFunctionMode):
+    """``pin_memory=True`` allocations go to :class:`FakeHostMemory`; with ``cuda_dropout``, ``F.dropout`` in
+    training runs ``native_dropout``, as CUDA's ``dropout`` does (the CPU's draws a ``bernoulli_`` mask instead)."""
+
+    def __init__(self, fake: FakeCuda) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+            return self.fake.host.allocate(func(*args, **kwargs))
+        if self.fake.cuda_dropout and func is torch.nn.functional.dropout:
+            x = args[0]
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", args[2] if len(args) > 2 else True)
+            inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+            if training and 0 < p < 1 and not inplace:
+                return torch.native_dropout(x, p, True)[0]
+        return func(*args, **kwargs)
+
+
+class _DtypeDependentDropout(TorchDispatchMode):
+    """``native_dropout`` whose mask depends on the input's dtype at the same generator state, as CUDA's: a
+    16-bit input's mask is drawn after 4 more numbers than an fp32 input's (CUDA's vectorised kernel gives each
+    element another RNG offset per dtype)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.native_dropout.default and args[2] is not False and args[0].dtype != torch.float32:
+            torch.rand(4, device=args[0].device)
+        return func(*args, **kwargs)
+
+
+@dataclass
 class FakeCuda:
     """Context manager installing the fake device (see the module docstring); ``device_count`` GPUs alike."""
 
     device_count: int = 1
     props: FakeDeviceProperties = field(default_factory=FakeDeviceProperties)
+    #: per device index, when the GPUs differ (``props`` for an index not listed); see :meth:`_enter_devices`
+    device_props: tuple[FakeDeviceProperties, ...] = ()
     memory: FakeMemory = field(default_factory=FakeMemory)
     synchronize_calls: int = 0
     events_created: int = 0
+    cuda_dropout: bool = False  # F.dropout as CUDA's: native_dropout, masks depending on the dtype (module doc)
+    host: FakeHostMemory = field(default_factory=FakeHostMemory)
 
     def __post_init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
+        self._host_modes: list[Any] = []
         self._rng: dict[int, torch.Tensor] = {}
         self._mode: _CudaToCpu | None = None
         self._policy: Any = None
         self._seed_all(0)
+        self.current = 0  # the current device (torch.cuda.set_device / torch.cuda.device)
+        self._fake_nvml: types.ModuleType | None = None
 
     # -- torch.cuda replacements ----------------------------------------------------------------------
     def _index(self, device: Any = None) -> int:
         if device is None:
-            return 0
+            return self.current
         if isinstance(device, int):
             i = device
         else:
             d = torch.device(device) if isinstance(device, str) else device
-            i = d.index or 0
+            i = d.index if d.index is not None else self.current
         if not 0 <= i < self.device_count:
             raise RuntimeError(f"CUDA error: invalid device ordinal {i}")
         return i
@@ -269,6 +356,7 @@ class FakeCuda:
         }
         for name, value in patches.items():
             self._patch(c, name, value)
+        self._enter_devices()
 
         real_autocast = torch.amp.autocast_mode.autocast
 
@@ -303,12 +391,65 @@ class FakeCuda:
 
         self._patch(torch.profiler.profile, "__init__", profile_init)
         self._saved.append((sys.modules, "pynvml", sys.modules.get("pynvml", _MISSING)))
-        sys.modules["pynvml"] = _fake_pynvml(props, self.device_count)
+        sys.modules["pynvml"] = self._fake_nvml or _fake_pynvml(props, self.device_count)
         self._policy = CudaAutocastPolicy()
         self._policy.__enter__()
         self._mode = _CudaToCpu()
         self._mode.__enter__()
+        self._enter_host_and_dropout()
         return self
+
+    def _enter_host_and_dropout(self) -> None:
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None:
+            self._patch(accelerator, "empty_host_cache", self.host.empty_cache)
+        self._patch(torch.cuda, "host_memory_stats", self.host.stats)
+        self._host_modes = [_PinnedAndDropout(self)] + ([_DtypeDependentDropout()] if self.cuda_dropout else [])
+        for m in self._host_modes:
+            m.__enter__()
+
+    def _props_of(self, i: int) -> FakeDeviceProperties:
+        return self.device_props[i] if i < len(self.device_props) else self.props
+
+    def _enter_devices(self) -> None:
+        """Several GPUs, each its own (``device_props``), and a current device: ``set_device``, the
+        ``torch.cuda.device(i)`` context, ``current_device``; a device argument of ``None`` or plain ``"cuda"`` is
+        the current one, as in torch. Tensors stay CPU tensors whatever their index."""
+        c, fake = torch.cuda, self
+
+        class device:  # noqa: N801 - torch's spelling
+            def __init__(self, d: Any) -> None:
+                self.idx = -1 if d is None else (d if isinstance(d, int) else torch.device(d).index)
+                self.idx = -1 if self.idx is None else self.idx
+
+            def __enter__(self) -> None:
+                self.prev = fake.current
+                if self.idx >= 0:
+                    fake.current = fake._index(self.idx)
+
+            def __exit__(self, *exc: Any) -> None:
+                fake.current = self.prev
+
+        def manual_seed(seed: int) -> None:  # the current device's generator, as torch.cuda.manual_seed
+            fake._rng[fake.current] = fake._state(int(seed), 0)
+
+        patches = {
+            "device": device,
+            "current_device": lambda: fake.current,
+            "set_device": lambda d: setattr(fake, "current", fake._index(d)),
+            "get_device_properties": lambda d=None: fake._props_of(fake._index(d)),
+            "get_device_name": lambda d=None: fake._props_of(fake._index(d)).name,
+            "get_device_capability": lambda d=None: (lambda p: (p.major, p.minor))(fake._props_of(fake._index(d))),
+            "manual_seed": manual_seed,
+        }
+        for name, value in patches.items():
+            self._patch(c, name, value)
+        if self.device_props:  # NVML names each device as torch does
+            nvml = _fake_pynvml(self.props, self.device_count)
+            nvml.nvmlDeviceGetName = lambda h: fake._props_of(h).name
+            nvml.nvmlDeviceGetCudaComputeCapability = lambda h: (fake._props_of(h).major, fake._props_of(h).minor)
+            nvml.nvmlDeviceGetUUID = lambda h: fake._props_of(h).uuid[:-1] + str(h)
+            self._fake_nvml = nvml
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -328,6 +469,9 @@ class FakeCuda:
         self.memory.resets += 1
 
     def __exit__(self, *exc: Any) -> None:
+        for m in reversed(self._host_modes):
+            m.__exit__(*exc)
+        self._host_modes = []
         if self._mode is not None:
             self._mode.__exit__(*exc)
             self._mode = None

@@ -9,6 +9,7 @@ a GPU.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,26 @@ class SavedTally:
     weight_copy_bytes: int = 0
     tensors: int = 0
     by_module: dict[int, int] = field(default_factory=dict)  # id(module) -> activation bytes
+
+
+class _Saved:
+    """A tensor saved for backward, with its version when it was saved.
+
+    The graph holds it, and it holds the tensor: for a node's own output (``softmax``, ``log_softmax``, ``tanh``
+    save theirs) that is a cycle through autograd's C++ objects (output -> its node -> the saved variable -> this
+    -> output) that Python's collector cannot see. A backward frees it; a graph never run backward (the loss
+    function's trial call that resolves the loss, outputs the loss does not use) was never freed, and with it
+    its tensors, its nodes and the module hooks on them, which hold the capture session: after
+    ``precision_audit.audit()`` returned, a logits-sized tensor stayed on the device and the session in memory
+    for the life of the process. :meth:`SavedTensorCounter.release_saved` lets go of the tensors once the pass is
+    over.
+    """
+
+    __slots__ = ("tensor", "version", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.version = tensor._version
 
 
 class SavedTensorCounter:
@@ -45,10 +66,20 @@ class SavedTensorCounter:
         self._seen: set[int] = set()
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._counting = False
+        self._saved: weakref.WeakSet[_Saved] = weakref.WeakSet()
 
     def _pack(self, t: torch.Tensor) -> Any:
         self._count(t)
-        return t, t._version
+        saved = _Saved(t)
+        self._saved.add(saved)
+        return saved
+
+    def release_saved(self) -> None:
+        """After the pass's backward (or once it will not run): the tensors saved in its forward are let go, so
+        that a graph no backward freed is freed too (:class:`_Saved`)."""
+        for s in list(self._saved):
+            s.tensor = None
+        self._saved = weakref.WeakSet()
 
     @staticmethod
     def _unpack(saved: Any) -> torch.Tensor:
@@ -57,7 +88,9 @@ class SavedTensorCounter:
         giving a backward computed from the changed values."""
         if isinstance(saved, torch.Tensor):
             return saved
-        t, version = saved
+        t, version = saved.tensor, saved.version
+        if t is None:
+            raise RuntimeError("a tensor saved for backward in one of the audit's passes was used after the pass")
         if t._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "

@@ -241,7 +241,8 @@ class _Fp32Order:
         self.layers.clear()
         try:
             session._reset()
-            with self.watching(), torch.no_grad(), session._fp32_reference_switches():
+            with self.watching(), torch.no_grad(), session._fp32_reference_switches(), \
+                    session._same_draws(Format.FP32):  # the reference's dropout masks (capture/rng_replay.py)
                 out = session._forward(session.model)
                 self.output(out, session._loss_of(out))
         finally:
@@ -295,7 +296,7 @@ def _format_forward(session, fmt: Format, ref_outputs: list[Kept] | None,
     try:
         if sink is not None:
             session._phase, session._batch_sink = fmt, sink
-        with torch.no_grad(), session._autocast(fmt):
+        with torch.no_grad(), session._autocast(fmt), session._same_draws(fmt):
             out = session._forward(session.model)
             loss = float(session._loss_of(out).detach().float())
         session._phase, session._batch_sink = None, None
@@ -307,6 +308,8 @@ def _format_forward(session, fmt: Format, ref_outputs: list[Kept] | None,
                 e.update(session._refs.for_stats(r, y), y)
             err = e.rel_l2
         return OrderRun(loss=loss, output_rel_error=err)
+    except torch.OutOfMemoryError:
+        raise  # the device's limit, not the format's: the audit stops with cli.py's advice (docs/gpu.md)
     except Exception as e:  # reported beside the figure, never fatal: the main pass already measured it
         return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
     finally:
@@ -325,7 +328,8 @@ def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> 
 
         handle = apply_policy(session.model, policy, device_type=device_type)
         try:
-            with torch.no_grad(), (session._autocast(default) if default else contextlib.nullcontext()):
+            with torch.no_grad(), (session._autocast(default) if default else contextlib.nullcontext()), \
+                    session._same_draws(default or Format.FP32):
                 out = session._forward(session.model)
                 loss = float(session._loss_of(out).detach().float())
             ys = float_tensors(out)
@@ -336,6 +340,8 @@ def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> 
                     e.update(session._refs.for_stats(r, y), y)
                 err = e.rel_l2
             return OrderRun(loss=loss, output_rel_error=err)
+        except torch.OutOfMemoryError:
+            raise  # the device's limit, not the plan's fault: it must not count as a broken plan (docs/gpu.md)
         except Exception as e:  # the plan itself fails: reported as a broken plan, not a crash
             return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
         finally:

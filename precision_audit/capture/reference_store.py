@@ -65,7 +65,9 @@ class ReferenceStore:
 
     def __init__(self, device: str | torch.device, spill: bool = True, directory: str | None = None) -> None:
         self.offload = torch.device(device).type == "cuda"
-        self._pinned = True  # cleared when no pinned-memory allocator exists (a fake CUDA device in tests)
+        self._pinned = True  # cleared when no pinned-memory allocator exists (a CPU-only build of torch)
+        self._device = torch.device(device)
+        self.pinned_used = False  # whether a kept tensor went to pinned memory (its cache is emptied at close)
         self._file = _SpillFile.open(directory) if spill and not self.offload else None
         self.spilling = self._file is not None  # new tensors go to the file (the file stays for those in it)
         self.note: str | None = None  # why tensors stayed in memory after all, when they did
@@ -89,6 +91,7 @@ class ReferenceStore:
             except RuntimeError:  # no pinned allocator: a pageable copy (synchronous, same values)
                 self._pinned = False
             else:
+                self.pinned_used = True
                 return host.copy_(t, non_blocking=True)
         return t.to("cpu", copy=True)
 
@@ -113,11 +116,15 @@ class ReferenceStore:
         return self.on(r, like)
 
     def close(self) -> None:
-        """Gives the file's space back (it was unlinked when made); tensors still in memory are unaffected."""
+        """Gives the file's space back (it was unlinked when made), and the pinned host memory the offloaded
+        tensors took once nothing holds them (:func:`release_pinned_cache`); tensors still held are unaffected."""
         if self._file is not None:
             self._file.close()
             self._file = None
         self.spilling = False
+        if self.pinned_used:
+            self.pinned_used = False
+            release_pinned_cache(self._device)
 
     def _spill(self, t: torch.Tensor) -> Spilled | None:
         if not self.spilling or self._file is None:
@@ -231,6 +238,24 @@ def _file_system_type(directory: str) -> str | None:
         return kind
     except OSError:
         return None
+
+
+def release_pinned_cache(device: torch.device) -> None:
+    """Gives the pinned host blocks no tensor holds back to the system.
+
+    PyTorch's pinned-memory allocator rounds every block up to a power of two and keeps a freed block cached
+    for the life of the process: without this, the host copies of the audit's references would stay pinned
+    (unpageable) in a training process after ``precision_audit.audit()`` returns (docs/memory.md, "Reference
+    memory"). The device is synchronised first, so that no queued copy still holds a block. Every free cached
+    block goes, the program's own too (a pinned ``DataLoader`` allocates its next blocks anew).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:  # older torch
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
 
 
 def release_free_heap() -> None:

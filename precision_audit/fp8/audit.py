@@ -36,10 +36,19 @@ def fp8_stage(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],
     """Measure, price and plan; returns (audit.json's ``fp8`` section, the policy's FP8 plan).
     ``tokens_per_step`` (``--tokens-per-step``): the rows per training step each linear is priced at; None: the
     audited batch's."""
-    # the stage reseeds the generators for every measurement: the user's are put back after
-    with torch.random.fork_rng(devices=[]), host_rng.fork():
+    # the stage reseeds the generators for every measurement (torch.manual_seed reseeds every CUDA device's too):
+    # the user's are put back after, every device's (docs/memory.md, "What is kept")
+    with torch.random.fork_rng(devices=_cuda_devices(device)), host_rng.fork():
         return _fp8_stage(model, forward, loss_of, target, budget, device=device, seed=seed, say=say,
                           tokens_per_step=tokens_per_step)
+
+
+def _cuda_devices(device: str) -> list[int]:
+    """The CUDA devices whose generators the stage's reseeding changes and must put back: all of them when it
+    runs on CUDA or CUDA is in use in the process (as capture/session.py forks them), else none (forking them
+    would start CUDA for nothing)."""
+    cuda = device.startswith("cuda") or (torch.cuda.is_available() and torch.cuda.is_initialized())
+    return list(range(torch.cuda.device_count())) if cuda else []
 
 
 def _fp8_stage(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any],

@@ -99,3 +99,24 @@ def test_store_copies_on_a_gpu_and_keeps_cpu_tensors_in_place_when_not_spilling(
     t.add_(1)
     assert torch.equal(h, torch.arange(6.0).reshape(2, 3)), "the host copy does not follow the source"
     assert reference_store.ReferenceStore is ReferenceStore
+
+
+def test_the_pinned_host_memory_goes_back_when_the_session_ends():
+    """CUDA's host allocator rounds each pinned block up to a power of two and keeps it, pinned, once freed: the
+    references' host copies stayed pinned in a training process for the rest of its life after
+    ``precision_audit.audit()`` returned (FakeCuda.host models the allocator)."""
+    import gc
+
+    torch.manual_seed(0)
+    model = InPlace()
+    x = torch.randn(8, 16)
+    with FakeCuda() as fake:
+        with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(),
+                            CaptureConfig(formats=(Format.BF16,), device="cuda", mode="cuda", timed_steps=0)) as s:
+            s.reference_run()
+            s.format_run(Format.BF16)
+            s.result()
+            assert s._refs.pinned_used and fake.host.peak > 0, "the references went to pinned host memory"
+        gc.collect()
+        assert fake.host.active == 0, f"{fake.host.active} bytes of pinned blocks still held after the session"
+        assert fake.host.cached_bytes == 0, f"{fake.host.cached_bytes} bytes of freed pinned blocks kept cached"

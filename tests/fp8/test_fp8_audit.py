@@ -59,3 +59,29 @@ def test_report_fp8_section(fp8_only):
     assert 'id="fp8"' not in render_html(from_json(no_fp8), policy)
     broken = dict(audit, fp8={"layers": [{"name": 1, "recipes": 5}], "recipes": {"x": {}}})
     assert 'id="fp8"' not in render_html(from_json(broken), policy)  # a hand-edited section is left out, not a crash
+
+
+def test_the_fp8_stage_puts_every_cuda_generator_back():
+    """The stage reseeds for every measurement (torch.manual_seed, which reseeds every CUDA device too) and forked
+    only the CPU generator: after an audit on a GPU, the user's CUDA generator was at the audit's seed."""
+    import torch
+    from torch import nn
+
+    from fakecuda import FakeCuda
+    from precision_audit.analysis.findings import Budget
+    from precision_audit.fp8.audit import fp8_stage
+    from precision_audit.gpus import resolve_target
+
+    with FakeCuda(device_count=2):
+        torch.manual_seed(5)
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16)).to("cuda")
+        x = torch.randn(16, 32, device="cuda")
+        torch.cuda.manual_seed_all(123)
+        torch.cuda.set_rng_state(torch.tensor([7, 40], dtype=torch.int64).view(torch.uint8), 1)
+        before = torch.cuda.get_rng_state_all()
+        cpu_before = torch.get_rng_state()
+        fp8_stage(model, lambda m: m(x), lambda out: out.float().pow(2).mean(), resolve_target("h100"), Budget(),
+                  device="cuda", seed=0)
+        after = torch.cuda.get_rng_state_all()
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a CUDA generator was left reseeded"
+        assert torch.equal(torch.get_rng_state(), cpu_before)
