@@ -13,7 +13,9 @@ before the audit sees it. The caller's context is set aside and put back: called
 with gradients, and the caller's autocast, grad mode and TF32 switches are as they were when it returns. One
 model is audited by one call at a time: a second call on the same model (or on a module inside it) from another
 thread, or from inside the first, is refused (:class:`~precision_audit.errors.ModelInUseError`), since both
-would hook and swap the same modules.
+would hook and swap the same modules. Audits of different models in different threads run one after the other
+(the second waits, with a log line): the audit sets process-wide state (TF32 switches, the thread count, the
+default random generators) that a concurrent audit would change under the first.
 
 Example::
 
@@ -102,10 +104,11 @@ def audit(
     ``model`` is left exactly as it was (parameters, buffers, gradients, modes, hooks, random state), and so is
     the caller's context (autocast, grad mode, TF32 switches): inside the caller's ``torch.autocast`` the audit's
     FP32 reference is still FP32. Bad arguments raise an :class:`~precision_audit.errors.AuditError` subclass
-    before anything runs; so does a second audit of a model being audited (another thread's, or this one's).
+    before anything runs; so does a second audit of a model being audited (another thread's, or this one's), and an
+    audit started inside a running one. An audit of another model from another thread waits for the running one.
     """
     inner, batch_raw, fn, budget_obj, shown = _check_arguments(model, batch, loss_fn, budget, progress)
-    with _one_audit_at_a_time(inner), _plain_fp32_context():
+    with _one_audit_at_a_time(inner), _one_audit_in_the_process(), _plain_fp32_context():
         return _audit(inner, batch_raw, fn, budget_obj, shown, target=target, formats=formats, out=out,
                       device=device, emulate=emulate, steps=steps, seed=seed, kernels=kernels, trace=trace)
 
@@ -173,6 +176,35 @@ def _one_audit_at_a_time(model: torch.nn.Module) -> Iterator[None]:
         with _RUNNING_LOCK:
             for i in ids:
                 _RUNNING.pop(i, None)
+
+
+#: Held by the audit running in this process: the audit sets process-wide state (the TF32 switches, the thread
+#: count of the second reduction order, the default random generators), so audits of two different models in two
+#: threads would change each other's figures; the second waits for the first. Its owner's thread name, for messages.
+_PROCESS_LOCK = threading.Lock()
+_PROCESS_OWNER: list[str] = []
+
+
+@contextlib.contextmanager
+def _one_audit_in_the_process() -> Iterator[None]:
+    """Run after any audit of another model that is running in another thread (waiting for it, with a log line);
+    refuse one started from inside a running audit in the same thread (waiting would never end)."""
+    me = threading.current_thread().name
+    if not _PROCESS_LOCK.acquire(blocking=False):
+        if _PROCESS_OWNER and _PROCESS_OWNER[0] == me:
+            raise ModelInUseError(
+                "an audit was started from inside a running audit",
+                found=f"thread {me!r} is auditing another model already (this call came from its model or loss)",
+                hint="run the second audit after the first returns")
+        log.warning("precision-audit: waiting for the audit running in thread %r (audits share process-wide state: "
+                    "TF32 switches, thread count, random generators)", _PROCESS_OWNER[0] if _PROCESS_OWNER else "?")
+        _PROCESS_LOCK.acquire()
+    _PROCESS_OWNER[:] = [me]
+    try:
+        yield
+    finally:
+        _PROCESS_OWNER.clear()
+        _PROCESS_LOCK.release()
 
 
 #: The device types torch.autocast knows; the caller's autocast is switched off on each that has it on.

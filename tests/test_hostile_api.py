@@ -157,6 +157,65 @@ def test_a_second_audit_of_a_model_being_audited_is_refused():
     assert _figures(precision_audit.audit(model, _batch(), steps=0, progress=False)) == alone
 
 
+def test_an_audit_of_another_model_waits_for_the_running_one():
+    """Two threads, two models: the second audit starts only when the first is over (they share the TF32 switches,
+    the thread count and the default generators), and each returns the figures it gives alone. Without the wait,
+    the second ran its passes while the first was inside its forward."""
+    alone = _figures(precision_audit.audit(_gated_released(), _batch(), steps=0, progress=False))
+    other = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64))
+    other_alone = _figures(precision_audit.audit(other, _batch(), steps=0, progress=False))
+    events: list[str] = []
+    other.register_forward_pre_hook(lambda *a: events.append("other forward"))
+    model = _Gated()
+    results: dict = {}
+
+    def run(key: str, m: nn.Module) -> None:
+        try:
+            results[key] = precision_audit.audit(m, _batch(), steps=0, progress=False)
+            events.append(f"{key} done")
+        except BaseException as e:  # reported by the assertions below
+            results[key] = e
+
+    first = threading.Thread(target=run, args=("first", model), name="first-audit")
+    first.start()
+    second = threading.Thread(target=run, args=("second", other), name="second-audit")
+    try:
+        assert model.started.wait(60)
+        second.start()
+        second.join(3.0)
+        assert second.is_alive() and "other forward" not in events, events
+    finally:
+        model.go.set()
+        first.join(120)
+        second.join(120)
+    assert not isinstance(results["first"], BaseException), results["first"]
+    assert not isinstance(results["second"], BaseException), results["second"]
+    assert events.index("first done") < events.index("other forward")
+    assert _figures(results["first"]) == alone
+    assert _figures(results["second"]) == other_alone
+
+
+def test_an_audit_started_inside_a_running_audit_is_refused():
+    refused: list[BaseException] = []
+    inner_model = nn.Linear(8, 8)
+
+    class Nesting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+
+        def forward(self, x):
+            if not refused:
+                try:
+                    precision_audit.audit(inner_model, torch.randn(4, 8), steps=0, progress=False)
+                except ModelInUseError as e:
+                    refused.append(e)
+            return self.fc(x)
+
+    precision_audit.audit(Nesting(), _batch(), steps=0, progress=False)
+    assert refused and "inside a running audit" in str(refused[0])
+
+
 def test_out_with_a_nul_character_is_refused_before_the_run():
     ran = []
     model = nn.Linear(8, 4)
