@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, _AuditModule, assemble
+from . import _AuditModule, assemble
 from . import record as R
 from .analysis.alignment import rank_alignment, tied_modules
 from .analysis.findings import Analysis, analyse
@@ -56,14 +56,17 @@ from .loading import (
     resolve_loss,
 )
 from .loading.nested import named_tensors
-from .options import AuditOptions, RunSetup, _short_repr, resolve_device, resolve_steps, set_up
+from .model_names import fingerprint, named_modules, unwrap_model
+from .options import AuditOptions, _short_repr, resolve_steps
 from .outputs import Staging, check_out_dir
+from .planning.build_policy import build_policy
 from .planning.rules import Plan, plan_mixed_precision
 from .planning.verified import ChosenPlan, choose_verified_plan, plan_verifier
-from .policy.build import build_policy
-from .policy.schema import Policy, fingerprint, named_modules, unwrap_model
+from .policy.schema import Policy
 from .record import AuditRecord
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
+from .run_setup import RunSetup, resolve_device, set_up
+from .version import __version__
 
 log = logging.getLogger(__name__)
 

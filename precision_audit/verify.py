@@ -22,7 +22,8 @@ import torch
 
 from . import host_rng
 from .errors import SEED_MAX, SEED_MIN, ModelRunError, OptionError, PolicyError
-from .policy.schema import RUNTIME_FORMATS, Policy, named_modules
+from .model_names import named_modules
+from .policy.schema import RUNTIME_FORMATS, Policy
 from .record import VerifyResult
 from .tf32_switches import tf32_switches
 

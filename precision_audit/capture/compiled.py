@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import AuditError
+from ..options import KERNEL_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ SOURCE = Path(__file__).with_name("_emulation_kernels.cpp")
 # once where the Python path's float64 product and sum round twice).
 BUILD_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 LIBRARY_NAME = "precision_audit_emu"
-KERNEL_CHOICES = ("auto", "python", "compiled")
 
 _loaded: Path | None = None
 

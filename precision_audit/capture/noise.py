@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..formats import Format
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .records import float_tensors
 from .reference_store import Kept
 from .stats import ErrorStats, MagnitudeHistogram

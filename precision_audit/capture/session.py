@@ -39,8 +39,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .. import host_rng
 from ..errors import AuditError, ModelLoadError, ModelRunError
 from ..formats import LOW_PRECISION_DTYPES, Format
+from ..model_names import named_modules
 from ..outputs import _NoInterrupt
-from ..policy.schema import named_modules
 from ..tf32_switches import tf32_switches
 from .checkpointing import NonReentrantCheckpoints
 from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast

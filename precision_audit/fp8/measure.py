@@ -30,7 +30,7 @@ from .. import host_rng
 from ..capture.records import float_tensors
 from ..capture.runner import ModelState
 from ..capture.stats import ErrorStats
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .linear import Fp8State, OperandStats, finite_metrics, fp8_linear, patched
 from .other_gemms import OtherGemm, measure_other_gemms, other_gemms_dict
 from .recipes import DEFAULT_RECIPES, RECIPES, Recipe

@@ -21,7 +21,7 @@ import torch
 from .. import host_rng
 from ..capture.stats import ErrorStats
 from ..gpus import GpuSpec
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .cost import LayerCost, layer_cost
 from .measure import Fp8Result, LayerResult
 from .recipes import RECIPES, supported

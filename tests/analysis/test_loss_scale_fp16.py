@@ -231,8 +231,8 @@ def test_the_policy_takes_the_scale_of_the_plan(tmp_path):
     """policy.json's loss_scaling.init_scale is re-derived for the plan: 'big' in FP32 leaves 2^19, not 2^11."""
     from precision_audit.audit import _policy
     from precision_audit.gpus import resolve_target
+    from precision_audit.model_names import fingerprint
     from precision_audit.planning.rules import Plan
-    from precision_audit.policy.schema import fingerprint
 
     c = _audit(tmp_path, with_big=True)
     keep = LayerPlan(Format.FP32, "kept in fp32")

@@ -14,8 +14,8 @@ from precision_audit.analysis.findings import Budget, FormatSummary
 from precision_audit.capture.gemm_mode import Tf32GemmMode, round_to_tf32
 from precision_audit.formats import SPECS, Format
 from precision_audit.gpus import resolve_target
+from precision_audit.planning.build_policy import tf32_decision
 from precision_audit.planning.rules import LayerPlan, Plan
-from precision_audit.policy.build import tf32_decision
 
 # --- the rounding, against a model written in exact float64 arithmetic (no bit tricks) ----------------------------
 
