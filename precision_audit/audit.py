@@ -36,9 +36,9 @@ from .analysis.findings import Analysis, analyse
 from .analysis.gemm_timing import measure_gemms_on_gpu
 from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import Performance, performance
+from .capture import CaptureConfig, CaptureSession
 from .capture.noise import NoiseFloor, measure_noise_floor
 from .capture.records import CaptureResult, RunRecord
-from .capture.runner import CaptureConfig, CaptureSession
 from .capture.stats import SCALE_EXPONENTS
 from .errors import ModelRunError, OptionError
 from .formats import Format
@@ -349,7 +349,7 @@ class Subject:
 
     :func:`load_subject` builds it from MODEL and BATCH files; ``precision_audit.audit(model, batch)`` from live
     objects (precision_audit/api.py). The audit never changes ``model``: every pass runs on a copy
-    (precision_audit/capture/runner.py).
+    (precision_audit/capture/__init__.py).
     """
 
     model: torch.nn.Module

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .capture.compiled import resolve as resolve_kernels
 from .capture.model_state import model_cuda_index
+from .emulation import resolve_kernels
 from .errors import OptionError
 from .formats import CAPTURE_FORMATS, DEFAULT_FORMATS, Format
 from .fp8.audit import SKIP_REASON as FP8_SKIP_REASON

@@ -67,10 +67,9 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                opts: VerifyOptions, progress: Callable[[str], None] | None = None) -> VerifyResult:
     """Train each arm ``opts.steps`` steps; returns the ``verify`` section of the audit's record (loss curves,
     final divergence, whether the policy arm failed; its ``loss`` is filled in by the caller)."""
-    from .capture.compiled import resolve as resolve_kernels
-    from .capture.emulation import CudaAutocastPolicy, emulated_autocast
     from .capture.reseeds import ReproducibleReseeds
     from .capture.user_autocast import UserAutocast
+    from .emulation import CudaAutocastPolicy, emulated_autocast, resolve_kernels
 
     say = progress or (lambda m: None)
     device_type = "cuda" if mode == "cuda" else "cpu"

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..emulation import is_missing_low_precision_kernel
 from ..formats import Format
 from .failures import RunFailure
-from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall
 from .reference_store import Kept

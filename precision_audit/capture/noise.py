@@ -135,7 +135,7 @@ def _sample(session) -> list[torch.nn.Module]:
 def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
     """Re-run the FP32 reference and each format forward-only at the second reduction order (see module doc).
 
-    ``session`` is a :class:`~precision_audit.capture.runner.CaptureSession` whose reference and format passes
+    ``session`` is a :class:`~precision_audit.capture.CaptureSession` whose reference and format passes
     have run (its FP32 outputs are what the sample of layers is compared against).
     """
     cuda = session.config.mode == "cuda"

@@ -23,16 +23,15 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import host_rng
+from ..emulation import is_missing_low_precision_kernel, rounding_registry_paused
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
 from .call_args import copy_arguments
 from .failures import RunFailure
-from .gemm_mode import is_missing_low_precision_kernel
 from .model_state import module_attributes, put_attributes_back
 from .output_grads import autograd_nodes
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .reference_store import Kept
-from .rounding import rounding_registry_paused
 from .session_state import RngState, SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram, dot64, nonfinite_where

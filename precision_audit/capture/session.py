@@ -29,7 +29,6 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,16 +36,23 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import host_rng
+from ..emulation import (
+    KNOWN_GAPS,
+    TF32_EMULATION,
+    CudaAutocastPolicy,
+    LowPrecisionGemmMode,
+    Tf32GemmMode,
+    emulated_autocast,
+)
 from ..errors import AuditError, ModelLoadError, ModelRunError
 from ..formats import LOW_PRECISION_DTYPES, Format
 from ..model_names import named_modules
 from ..outputs import _NoInterrupt
 from ..tf32_switches import tf32_switches
 from .checkpointing import NonReentrantCheckpoints
-from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
+from .config import CaptureConfig
 from .failures import RunFailure
 from .format_pass import FormatPasses
-from .gemm_mode import TF32_EMULATION, Tf32GemmMode
 from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
@@ -61,35 +67,6 @@ from .session_state import RngState
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
 from .user_autocast import UserAutocast
-
-
-@dataclass(frozen=True)
-class CaptureConfig:
-    """How to run the capture.
-
-    ``mode`` is ``"cuda"`` (real ``torch.autocast("cuda")``) or ``"emulated"`` (CUDA autocast's policy and
-    Tensor Core rounding computed on any device). ``loss_scales`` maps a format to the loss scale its
-    backward uses (FP16 needs one; BF16 does not).
-    """
-
-    formats: tuple[Format, ...]
-    device: str = "cpu"
-    mode: str = "emulated"
-    seed: int = 0
-    timed_steps: int = 1
-    kernels: str = "python"  # emulated mode: "python" or "compiled" (see capture/compiled.py)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("cuda", "emulated"):
-            raise ValueError(f"mode must be 'cuda' or 'emulated', got {self.mode!r}")
-        if self.mode == "cuda" and not self.device.startswith("cuda"):
-            raise ValueError("mode 'cuda' needs a cuda device")
-        for f in self.formats:
-            if f not in LOW_PRECISION_DTYPES and f is not Format.TF32:
-                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16, tf32)")
-        if self.timed_steps < 0:
-            raise ValueError("timed_steps must be >= 0")
-
 
 NO_GRAD_NOTE = ("no output gradient measured: its output does not require grad in the forward (computed under "
                 "torch.no_grad(), from nothing that requires grad, or inside a custom autograd Function, as Hugging "

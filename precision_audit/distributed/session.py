@@ -1,6 +1,6 @@
 """The capture session of one rank: the single-process session, with every pass's statistics reduced across ranks.
 
-:class:`DistributedCaptureSession` runs the same passes as :class:`~precision_audit.capture.runner.CaptureSession`
+:class:`DistributedCaptureSession` runs the same passes as :class:`~precision_audit.capture.CaptureSession`
 on this rank's share of the global batch, and after each pass replaces the records that pass wrote with their
 sums over every rank (precision_audit/distributed/reduce.py). Every rank therefore holds the global batch's
 statistics after every pass, takes the same decisions (the FP16 loss scale, the plan and its verification) and so
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..capture import CaptureSession
 from ..capture import noise as _noise
 from ..capture.reference_pass import LOSS_SOURCE
-from ..capture.runner import CaptureSession
 from ..capture.stats import ErrorStats, dot64
 from ..formats import Format
 from . import reduce as R

@@ -135,7 +135,7 @@ def test_an_fp32_module_feeding_an_fp16_module_still_constrains_it(tmp_path):
 
 def test_parameter_gradients_of_modules_without_a_gemm_are_fp32():
     """An embedding's and a norm's weight gradients are FP32 under autocast: they do not constrain the scale."""
-    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.capture import CaptureConfig, CaptureSession
 
     class Net(torch.nn.Module):
         def __init__(self):
