@@ -24,9 +24,6 @@ ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {
         "the callable module precision_audit.audit takes its class (_AuditModule) from the package's face, which "
         "hands the call to api.py, so that audit.py never imports api.py, which imports it; the face is loaded "
         "before any of its modules, so this edge never runs an import",
-    # the step timer's and the op tracker's view of the session, under TYPE_CHECKING: issue 34 item 3 removes them
-    ("precision_audit.capture.op_tracker", "precision_audit.capture.session"): "issue 34 item 3 (in progress)",
-    ("precision_audit.capture.timing", "precision_audit.capture.session"): "issue 34 item 3 (in progress)",
 }
 
 #: Module-level data tables that do not count towards a module's length, by (module, name), with the reason.

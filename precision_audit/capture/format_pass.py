@@ -152,7 +152,7 @@ class FormatPasses(SessionState):
             run.error = f"{type(e).__name__}: {e}"
         finally:
             handle.remove()
-            self._stack.clear()
+            self.calls.stack.clear()
         return run
 
     def _post_format(self, m, rec: LayerRecord, ys, args, kwargs, pre) -> None:

@@ -293,7 +293,7 @@ class ReferencePass(SessionState):
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[Kept]] = {}
         pre_rng, snapshot, draw_start = pre.rng, pre.snapshot, pre.draw_start
-        self._rerunning = True
+        self.calls.rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
         attributes = module_attributes(m)  # after the call: what the re-runs leave the module as
@@ -343,7 +343,7 @@ class ReferencePass(SessionState):
         finally:
             put_attributes_back(attributes)
             self._set_rng_state(now)
-            self._rerunning = False
+            self.calls.rerunning = False
         return diffs
 
     def _batch_call_output(self, m, fmt: Format, call: BatchCall, refs: list[Kept] | None, args, kwargs,
@@ -360,7 +360,7 @@ class ReferencePass(SessionState):
             ps = ys
         else:
             now = self._rng_state()
-            self._rerunning = True
+            self.calls.rerunning = True
             attributes = module_attributes(m)
             try:
                 put_attributes_back(call.attributes)
@@ -370,7 +370,7 @@ class ReferencePass(SessionState):
             finally:
                 put_attributes_back(attributes)
                 self._set_rng_state(now)
-                self._rerunning = False
+                self.calls.rerunning = False
         if refs is None or len(ps) != len(refs) or any(r.shape != p.shape for r, p in zip(refs, ps)):
             return "not measured: the re-run returned outputs of another structure"
         return ps

@@ -16,14 +16,12 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..formats import Format
-
-if TYPE_CHECKING:
-    from .session import CaptureSession
+from .session_state import SessionState
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +35,7 @@ class StepTimer:
     """Per format, clean steps then instrumented steps on a session's model; profiled ones on request (see
     :meth:`run`)."""
 
-    def __init__(self, session: CaptureSession) -> None:
+    def __init__(self, session: SessionState) -> None:
         self.s = session
         self.cuda = session.config.mode == "cuda"
         self._prof_stack: list[tuple[int, Any, Any]] = []
