@@ -4,7 +4,7 @@ The same core as the command line (:func:`precision_audit.audit.compute_audit`),
 in memory instead of MODEL and BATCH files (README.md, "From Python"). The batch takes the shapes a BATCH file
 takes (a tensor, a tuple/list ``(inputs..., target)``, a dict of keyword inputs) and the loss is resolved in the
 same order: ``loss_fn`` -> the model's own ``output.loss`` -> cross-entropy / MSE from the target -> a surrogate
-(precision_audit/loading.py).
+(precision_audit/loading/batch.py, precision_audit/loading/loss.py).
 
 The model is left exactly as it was: the passes run on the model itself and put back what they change, the
 random generators forked (capture/session.py, capture/model_state.py; docs/memory.md), and the batch is copied

@@ -155,7 +155,7 @@ Progress = Callable[[str], None]
 
 class SubjectRun:
     """The model's forward on the batch (on the run's device) and its loss, resolved on the first output the
-    same way for the audit and for ``precision-audit verify`` (precision_audit/loading.py); records the output
+    same way for the audit and for ``precision-audit verify`` (precision_audit/loading/loss.py); records the output
     structure of every call."""
 
     def __init__(self, source: ModelSource, batch: Batch, device: str) -> None:

@@ -121,7 +121,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                         losses.append(lv if math.isfinite(lv) else None)
                         skipped[arm] = skipped.get(arm, 0) + int(skip)
             except torch.OutOfMemoryError:
-                raise  # the GPU's limit, not the arm's: cli.py gives the advice
+                raise  # the GPU's limit, not the arm's: cli/main.py gives the advice
             except Exception as e:  # an arm that cannot train (e.g. a banned op under autocast) is reported
                 errors[arm] = f"{type(e).__name__}: {e}"
                 if arm == "fp32":  # nothing to compare with: not a finding about any format

@@ -240,3 +240,43 @@ def test_the_tests_mirror_the_package():
     # one module name per test file: the tests are imported by name (pytest's prepend mode, no __init__.py)
     names = [p.name for p in tests.rglob("*.py") if "golden" not in p.parts]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+#: docs/architecture.md, "The package map": each layer imports only the layers before it (and, in the first and the
+#: last, its own neighbours); a name is a top-level module or a subpackage of precision_audit.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundations", {"errors", "version", "formats", "options", "strict_json", "model_names", "host_rng",
+                     "tf32_switches", "outputs", "gpus", "hardware", "record", "schemas"}),
+    ("policy", {"policy"}),
+    ("runtime", {"runtime"}),
+    ("emulation", {"emulation"}),
+    ("load", {"loading"}),
+    ("capture", {"capture"}),
+    ("analysis", {"analysis"}),
+    ("fp8, planning", {"fp8", "planning"}),
+    ("report", {"report"}),
+    ("setup, assembly", {"run_setup", "assemble"}),
+    ("entry points", {"audit", "api", "verify", "export", "distributed", "integrations", "cli", "__init__",
+                      "__main__"}),
+]
+
+
+def _layer_of(node: str) -> int:
+    name = node.split(".")[1] if "." in node else "__init__"
+    return next(i for i, (_, names) in enumerate(LAYERS) if name in names)
+
+
+def test_every_module_has_a_layer():
+    names = {n for _, ns in LAYERS for n in ns}
+    found = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    assert found == names, f"not in LAYERS: {sorted(found - names)}; gone: {sorted(names - found)}"
+
+
+def test_a_layer_imports_only_the_layers_before_it():
+    graph = _package_graph(_graph())
+    last = len(LAYERS) - 1
+    bad = sorted(f"{a} ({LAYERS[_layer_of(a)][0]}) -> {b} ({LAYERS[_layer_of(b)][0]})"
+                 for a, deps in graph.items() for b in deps
+                 if _layer_of(b) > _layer_of(a) or (_layer_of(b) == _layer_of(a) not in (0, last)))
+    assert not bad, "\n".join(bad)

@@ -317,7 +317,7 @@ class ReferencePass(SessionState):
                         out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.user_region)
                 except torch.OutOfMemoryError:
                     # not a finding of this module: a "not measured" here would read as zero impact to the
-                    # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
+                    # planner; the audit stops with cli/main.py's advice (smaller batch, --device cpu)
                     raise
                 except Exception as e:  # the module fails under autocast: reported, not fatal
                     fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"

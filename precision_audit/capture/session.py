@@ -501,7 +501,8 @@ class CaptureSession(ReferencePass, FormatPasses):
             for mid, nbytes in counter.tally.by_module.items():
                 self._layer(self._modules[mid]).saved_bytes[key] = nbytes
         except (torch.OutOfMemoryError, AuditError):
-            # the user's own errors (a loss_fn returning a vector) and OOM (cli.py advises a smaller batch) pass as is
+            # the user's own errors (a loss_fn returning a vector) and OOM (cli/main.py advises a smaller batch)
+            # pass as is
             self.calls.stack.clear()
             raise
         except Exception as e:

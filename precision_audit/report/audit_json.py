@@ -3,7 +3,7 @@ becomes JSON and JSON becomes the record again.
 
 :func:`to_json` writes an :class:`~precision_audit.record.AuditRecord` as audit.json's content; :func:`from_json`
 validates a parsed audit.json against ``precision_audit/schemas/audit.schema.json`` (through
-:func:`precision_audit.cli.report.check_audit`: the message names the field) and reads it back. Floats that are
+:func:`check_audit`: the message names the field) and reads it back. Floats that are
 not finite (an overflowed error metric, say) are written as ``null``; the neighbouring ``nonfinite`` counts say
 why. docs/record.md lists the record's types.
 
