@@ -62,7 +62,7 @@ from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
 from .reference_store import Kept, ReferenceStore, release_free_heap
 from .reseeds import ReproducibleReseeds
 from .rng_replay import RandomDraws, recording, replaying
-from .session_state import CallStack, RngState
+from .session_state import CallStack, RngState, StepControls
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
 from .user_autocast import UserAutocast
@@ -172,7 +172,16 @@ class CaptureSession(ReferencePass, FormatPasses):
         # The dispatch mode costs a Python call per op; it is switched on only when the model hits a CPU
         # kernel with no Half/BFloat16 implementation (then every later pass uses it).
         self._use_gemm_mode = False
-        self._timer, self._counters = StepTimer(self), []
+        self._timer, self._counters = StepTimer(self, self._step_controls()), []
+
+    def _step_controls(self) -> StepControls:
+        """What the step timer may do to the runs (looked up at each call: a subclass's own ``_reset`` counts)."""
+        return StepControls(
+            self.calls, reset=lambda: self._reset(), install_hooks=lambda: self._install_hooks(),
+            remove_hooks=lambda: self._remove_hooks(), set_phase=lambda p: setattr(self, "_phase", p),
+            fp32_switches=lambda: self._fp32_reference_switches(), autocast=lambda f: self._autocast(f),
+            backward_context=lambda f: self._backward_context(f),
+            loss=lambda: self._loss_of(self._forward(self.model)))
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:

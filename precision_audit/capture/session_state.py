@@ -46,6 +46,22 @@ class CallStack:
     outside_ops: ModuleOps = field(default_factory=ModuleOps)  # the ops outside every module (the loss)
 
 
+@dataclass
+class StepControls:
+    """What the step timer (capture/timing.py) may do to the session's runs, handed over by the session: the timer
+    calls these and reads the call stack's names, and sees nothing else of the session's own state."""
+
+    calls: CallStack
+    reset: Callable[[], None]  # every pass's fresh start (buffers, generators, caches)
+    install_hooks: Callable[[], None]  # the session's module hooks, on
+    remove_hooks: Callable[[], None]  # and off (the clean steps run without them)
+    set_phase: Callable[[Format | str | None], None]  # "profile": the hooks time each module for the timer
+    fp32_switches: Callable[[], AbstractContextManager[None]]  # FP32's TF32 switches (off on CUDA)
+    autocast: Callable[[Format], AbstractContextManager[None]]  # a format's forward context
+    backward_context: Callable[[Format], AbstractContextManager[None]]  # and its backward's
+    loss: Callable[[], torch.Tensor]  # the model's forward on the batch, and its loss
+
+
 class SessionState:
     """Names shared by the parts of a capture session (values set by ``CaptureSession.__init__``)."""
 
@@ -106,9 +122,3 @@ class SessionState:
     _clone_ref: Callable[[torch.Tensor], Kept]
     _batch_call_output: Callable[..., Any]  # capture/reference_pass.py
     _batch_call_impacts: Callable[..., list[float]]
-    _install_hooks: Callable[[], None]
-    _remove_hooks: Callable[[], None]
-    _layer: Callable[[torch.nn.Module], LayerRecord]
-    step_times: dict[str, list[float]]
-    memory: dict[str, dict[str, int]]
-    traces: dict[str, bytes]
