@@ -234,7 +234,7 @@ TEST_FOLDERS_BEYOND_THE_PACKAGE = {
 
 def test_the_tests_mirror_the_package():
     tests = PACKAGE.parent / "tests"
-    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.glob("*.py"))}  # capture/ has no __init__
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.rglob("test_*.py"))}
     assert folders - packages - set(TEST_FOLDERS_BEYOND_THE_PACKAGE) == set()
     # one module name per test file: the tests are imported by name (pytest's prepend mode, no __init__.py)
