@@ -25,18 +25,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r'''
 import json, sys, time
-from precision_audit.capture import runner
+from precision_audit.capture import CaptureSession
 from precision_audit.audit import AuditOptions, run_audit
-runner.CaptureSession._batch_calls = sys.argv[1] == "1"
+CaptureSession._batch_calls = sys.argv[1] == "1"
 spent = [0.0]
-real = runner.CaptureSession._rerun_once
+real = CaptureSession._rerun_once
 def timed(self, *a, **k):
     t = time.perf_counter()
     try:
         return real(self, *a, **k)
     finally:
         spent[0] += time.perf_counter() - t
-runner.CaptureSession._rerun_once = timed
+CaptureSession._rerun_once = timed
 marks = []
 run_audit(AuditOptions(model=sys.argv[2], batch=sys.argv[3] or None, out=sys.argv[4]),
           lambda m: marks.append((time.perf_counter(), str(m))))

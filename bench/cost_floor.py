@@ -65,8 +65,8 @@ def _median(fn, repeats: int) -> float:
 def main() -> None:
     import torch
 
-    from precision_audit.capture import compiled
-    from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast
+    from precision_audit.emulation import compiled
+    from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")

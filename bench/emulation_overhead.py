@@ -25,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from precision_audit.capture import compiled  # noqa: E402
-from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast  # noqa: E402
+from precision_audit.emulation import compiled  # noqa: E402
+from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast  # noqa: E402
 from precision_audit.errors import AuditError  # noqa: E402
 from precision_audit.loading import load_batch, load_model, resolve_loss  # noqa: E402
 

@@ -28,9 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from precision_audit.analysis.cost import layer_cost  # noqa: E402
-from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast  # noqa: E402
 from precision_audit.capture.op_tracker import _NON_COMPUTE  # noqa: E402
 from precision_audit.capture.ops import AutocastWidths, ModuleOps, record_op  # noqa: E402
+from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast  # noqa: E402
 from precision_audit.formats import Format  # noqa: E402
 from precision_audit.gpus import resolve_target  # noqa: E402
 

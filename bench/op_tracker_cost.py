@@ -24,23 +24,14 @@ sys.path.insert(0, str(ROOT))
 
 from precision_audit.capture.op_tracker import OpTracker  # noqa: E402
 from precision_audit.capture.records import LayerRecord  # noqa: E402
+from precision_audit.capture.session_state import CallStack  # noqa: E402
 
 
-class _Session:
+def _calls(model: torch.nn.Module) -> CallStack:
     """The part of a capture session the tracker reads: one module on the call stack, its record."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self._rerunning = False
-        self._stack = [id(model)]
-        self._own_ops = [0]
-        self._own_work = [0]
-        self._modules = {id(model): model}
-        self._names = {id(model): ""}
-        self.rec = LayerRecord("", type(model).__name__, 0, False, 0, 0, 0)
-
-    def _layer(self, m: torch.nn.Module) -> LayerRecord:
-        return self.rec
+    rec = LayerRecord("", type(model).__name__, 0, False, 0, 0, 0)
+    return CallStack({id(model): ""}, {id(model): model}, lambda m: rec, stack=[id(model)], own_ops=[0],
+                     own_work=[0])
 
 
 def main() -> None:
@@ -62,10 +53,10 @@ def main() -> None:
             model(x)
 
     def tracked() -> int:
-        s = _Session(model)
-        with torch.no_grad(), OpTracker(s):
+        calls = _calls(model)
+        with torch.no_grad(), OpTracker(calls, model):
             model(x)
-        return s._own_ops[0]
+        return calls.own_ops[0]
 
     n_ops = tracked()
     for _ in range(3):

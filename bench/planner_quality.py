@@ -57,7 +57,7 @@ def main() -> None:
 def run_depth(depth: int, budget: float) -> None:
     from precision_audit.analysis.findings import Budget
     from precision_audit.audit import AuditOptions, compute_audit
-    from precision_audit.capture.emulation import CudaAutocastPolicy
+    from precision_audit.emulation.autocast import CudaAutocastPolicy
     from precision_audit.formats import Format
     from precision_audit.loading import load_batch, load_model, resolve_loss
 
@@ -74,7 +74,7 @@ def run_depth(depth: int, budget: float) -> None:
         """One forward: the modules in ``low`` in BF16, every other GEMM module pinned to FP32 (runtime apply)."""
         import dataclasses
 
-        from precision_audit.capture.emulation import emulated_autocast
+        from precision_audit.emulation.autocast import emulated_autocast
         from precision_audit.policy.schema import ModuleOverride
 
         pol = dataclasses.replace(c.policy, default_format="bf16", modules={

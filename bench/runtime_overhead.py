@@ -45,9 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import precision_audit as pa  # noqa: E402
-from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast  # noqa: E402
+from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast  # noqa: E402
 from precision_audit.loading import load_batch, load_model, resolve_loss  # noqa: E402
-from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout  # noqa: E402
+from precision_audit.model_names import fingerprint, model_layout
+from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy  # noqa: E402
 
 FP32_MODULES = ("blocks.0.fc1", "head")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -15,12 +15,11 @@ Example::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import types
+from typing import TYPE_CHECKING, Any
 
-import types  # noqa: E402
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-from .errors import AuditError  # noqa: E402  (no torch: `import precision_audit` stays light)
+from .errors import AuditError  # (no torch: `import precision_audit` stays light)
+from .version import __version__
 
 if TYPE_CHECKING:
     from .audit import AuditResult

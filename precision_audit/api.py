@@ -4,7 +4,7 @@ The same core as the command line (:func:`precision_audit.audit.compute_audit`),
 in memory instead of MODEL and BATCH files (README.md, "From Python"). The batch takes the shapes a BATCH file
 takes (a tensor, a tuple/list ``(inputs..., target)``, a dict of keyword inputs) and the loss is resolved in the
 same order: ``loss_fn`` -> the model's own ``output.loss`` -> cross-entropy / MSE from the target -> a surrogate
-(precision_audit/loading.py).
+(precision_audit/loading/batch.py, precision_audit/loading/loss.py).
 
 The model is left exactly as it was: the passes run on the model itself and put back what they change, the
 random generators forked (capture/session.py, capture/model_state.py; docs/memory.md), and the batch is copied
@@ -39,14 +39,13 @@ from typing import Any, cast
 
 import torch
 
-from .analysis.findings import Budget
 from .audit import _OUT_FOLDERS, AuditOptions, AuditResult, Subject, _absolute, _out_path, compute_audit, result_of
 from .errors import BatchError, LossError, ModelInUseError, ModelLoadError, OptionError
 from .loading import ModelSource, _interpret, check_trainable, model_exit_error
 from .loading.nested import check_nesting
-from .options import _short_repr
+from .model_names import unwrap_model
+from .options import Budget, DeviceChoice, KernelChoice, _short_repr
 from .outputs import check_out_dir
-from .policy.schema import unwrap_model
 from .tf32_switches import restore as restore_tf32
 from .tf32_switches import snapshot as snapshot_tf32
 
@@ -79,11 +78,11 @@ def audit(
     budget: Budget | Mapping[str, float] | None = None,
     out: str | os.PathLike[str] | None = None,
     progress: bool | Callable[[str], None] = True,
-    device: str = "auto",
+    device: DeviceChoice = "auto",
     emulate: bool = False,
     steps: int = 1,
     seed: int = 0,
-    kernels: str = "auto",
+    kernels: KernelChoice = "auto",
     trace: bool = False,
 ) -> AuditResult:
     """Audit ``model`` on ``batch`` in memory; returns the :class:`~precision_audit.audit.AuditResult`.
@@ -114,8 +113,8 @@ def audit(
 
 
 def _audit(inner: torch.nn.Module, batch_raw: Any, fn: Any, budget_obj: Budget, shown: bool | Callable[[str], None],
-           *, target: str | None, formats: Any, out: str | os.PathLike[str] | None, device: str, emulate: bool,
-           steps: int, seed: int, kernels: str, trace: bool) -> AuditResult:
+           *, target: str | None, formats: Any, out: str | os.PathLike[str] | None, device: DeviceChoice,
+           emulate: bool, steps: int, seed: int, kernels: KernelChoice, trace: bool) -> AuditResult:
     if out is not None:
         out = _out_path(out)
         check_out_dir(out, _OUT_FOLDERS)
@@ -263,7 +262,7 @@ def _check_arguments(model: Any, batch: Any, loss_fn: Any, budget: Any, progress
             raise OptionError("budget is out of range", expected="positive finite numbers", found=str(e)) from e
     else:
         raise OptionError("budget has the wrong type",
-                          expected="None, a precision_audit.analysis.findings.Budget, or a dict with "
+                          expected="None, a precision_audit.options.Budget, or a dict with "
                                    "max_loss_rel_change and/or max_output_rel_error",
                           found=f"{type(budget).__name__}: {_short_repr(budget)}")
     if not isinstance(progress, bool) and not callable(progress):

@@ -19,10 +19,10 @@ from .analysis.performance import LayerPerformance, Performance
 from .capture.records import CaptureResult
 from .capture.stats import ErrorStats
 from .formats import LOW_PRECISION_DTYPES, Format
+from .model_names import named_modules
 from .planning.rules import Plan
 from .planning.select import PlanCandidate
 from .planning.verified import ChosenPlan
-from .policy.schema import named_modules
 
 
 def error_metrics(e: ErrorStats | None) -> R.ErrorMetrics | None:

@@ -29,16 +29,16 @@ from typing import Any
 
 import torch
 
-from . import __version__, _AuditModule, assemble
+from . import _AuditModule, assemble
 from . import record as R
 from .analysis.alignment import rank_alignment, tied_modules
 from .analysis.findings import Analysis, analyse
 from .analysis.gemm_timing import measure_gemms_on_gpu
 from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import Performance, performance
+from .capture import CaptureConfig, CaptureSession
 from .capture.noise import NoiseFloor, measure_noise_floor
 from .capture.records import CaptureResult, RunRecord
-from .capture.runner import CaptureConfig, CaptureSession
 from .capture.stats import SCALE_EXPONENTS
 from .errors import ModelRunError, OptionError
 from .formats import Format
@@ -56,14 +56,17 @@ from .loading import (
     resolve_loss,
 )
 from .loading.nested import named_tensors
-from .options import AuditOptions, RunSetup, _short_repr, resolve_device, resolve_steps, set_up
+from .model_names import fingerprint, named_modules, unwrap_model
+from .options import AuditOptions, _short_repr, resolve_steps
 from .outputs import Staging, check_out_dir
+from .planning.build_policy import build_policy
 from .planning.rules import Plan, plan_mixed_precision
 from .planning.verified import ChosenPlan, choose_verified_plan, plan_verifier
-from .policy.build import build_policy
-from .policy.schema import Policy, fingerprint, named_modules, unwrap_model
+from .policy.schema import Policy
 from .record import AuditRecord
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
+from .run_setup import RunSetup, resolve_device, set_up
+from .version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,7 @@ Progress = Callable[[str], None]
 
 class SubjectRun:
     """The model's forward on the batch (on the run's device) and its loss, resolved on the first output the
-    same way for the audit and for ``precision-audit verify`` (precision_audit/loading.py); records the output
+    same way for the audit and for ``precision-audit verify`` (precision_audit/loading/loss.py); records the output
     structure of every call."""
 
     def __init__(self, source: ModelSource, batch: Batch, device: str) -> None:
@@ -346,7 +349,7 @@ class Subject:
 
     :func:`load_subject` builds it from MODEL and BATCH files; ``precision_audit.audit(model, batch)`` from live
     objects (precision_audit/api.py). The audit never changes ``model``: every pass runs on a copy
-    (precision_audit/capture/runner.py).
+    (precision_audit/capture/__init__.py).
     """
 
     model: torch.nn.Module

@@ -1,29 +1,54 @@
-"""What an audit is asked to do (:class:`AuditOptions`), and how the request meets this machine and the target
-(:class:`RunSetup`): the device and mode, the timed steps, the formats audited and those skipped (with why).
+"""What an audit is asked to do: :class:`AuditOptions` (everything the command line can set), the error
+:class:`Budget` a format must meet, and the closed choices of ``--device`` and ``--kernels``.
 
-audit.py resolves them once at the start of an audit (:func:`set_up`); ``precision-audit verify`` resolves its
-device here too.
+A leaf, as torchao's float8 config is: it imports only torch's neighbours errors.py and formats.py, never a
+stage, so that every stage can read its options and none is imported to configure another. How the options meet
+this machine and the target (the device and mode, the formats, the timed steps) is
+precision_audit/run_setup.py's :func:`~precision_audit.run_setup.set_up`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-import torch
-
-from .analysis.findings import Budget
-from .capture.compiled import KERNEL_CHOICES
-from .capture.compiled import resolve as resolve_kernels
-from .capture.model_state import model_cuda_index
 from .errors import SEED_MAX, SEED_MIN, OptionError
-from .formats import CAPTURE_FORMATS, DEFAULT_FORMATS, Format, parse_formats
-from .fp8.audit import SKIP_REASON as FP8_SKIP_REASON
-from .fp8.audit import requested as fp8_requested
-from .gpus import GpuSpec, resolve_target
-from .hardware import HardwareInfo, default_target, detect
+from .formats import Format, parse_formats
+
+#: ``--device``: ``auto`` takes a CUDA GPU when torch sees one (README.md, ``--device``).
+DeviceChoice = Literal["auto", "cuda", "cpu"]
+DEVICE_CHOICES: tuple[str, ...] = get_args(DeviceChoice)
+#: ``--kernels``: how emulated mode runs its rounding kernels (docs/emulation.md, "Compiled kernels"); ``auto``
+#: takes the compiled ones when they are built.
+KernelChoice = Literal["auto", "python", "compiled"]
+KERNEL_CHOICES: tuple[str, ...] = get_args(KernelChoice)
+#: the --formats names that ask for the FP8 stage (precision_audit/fp8/audit.py)
+_FP8_FORMATS = (Format.FP8_E4M3, Format.FP8_E5M2)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The error budget a format must meet to count as safe, relative to FP32.
+
+    ``max_loss_rel_change``: |L_p - L_fp32| / |L_fp32|; ``max_output_rel_error``: relative L2 error of the
+    model's output.
+    """
+
+    max_loss_rel_change: float = 1e-2
+    max_output_rel_error: float = 5e-2
+
+    def __post_init__(self) -> None:
+        for name in ("max_loss_rel_change", "max_output_rel_error"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"Budget.{name} must be a positive finite number, got {v!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"max_loss_rel_change": self.max_loss_rel_change, "max_output_rel_error": self.max_output_rel_error}
+
 
 #: Format names AuditOptions.formats accepts as strings.
 _FORMAT_VALUES = frozenset(f.value for f in Format)
@@ -56,12 +81,12 @@ class AuditOptions:
     out: Path = Path("audit")
     target: str | None = None
     formats: tuple[Format, ...] | None = None
-    device: str = "auto"
+    device: DeviceChoice = "auto"
     emulate: bool = False
     steps: int | None = None  # None: 1 in cuda mode, 0 in emulated mode (see resolve_steps)
     seed: int = 0
     budget: Budget = field(default_factory=Budget)
-    kernels: str = "auto"
+    kernels: KernelChoice = "auto"
     #: rows per training step each linear is priced at in the FP8 plan; None: the audited batch's (docs/fp8.md)
     fp8_tokens_per_step: int | None = None
     #: also run the timed steps under torch.profiler and keep its traces for tb/ (docs/gpu.md, "Timed steps")
@@ -74,12 +99,12 @@ class AuditOptions:
             raise OptionError(f"--tokens-per-step must be a whole number from 1 to {MAX_TOKENS_PER_STEP} (2**40)",
                               found=_short_repr(t),
                               hint="the rows (batch x sequence) one training step feeds each linear, e.g. 65536")
-        if t is not None and not fp8_requested(self.formats):
+        if t is not None and not any(f in _FP8_FORMATS for f in self.formats or ()):
             raise OptionError("--tokens-per-step prices the FP8 plan, and no FP8 format is audited",
                               found=f"--formats {','.join(f.value for f in self.formats or ())}",
                               hint="add fp8_e4m3 to --formats, or leave --tokens-per-step out")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise OptionError(f"unknown --device {self.device!r}", choices=("auto", "cuda", "cpu"))
+        if self.device not in DEVICE_CHOICES:
+            raise OptionError(f"unknown --device {self.device!r}", choices=DEVICE_CHOICES)
         if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):
             raise OptionError("--steps must be a whole number >= 0", found=repr(self.steps))
         if self.kernels not in KERNEL_CHOICES:
@@ -141,24 +166,7 @@ class AuditOptions:
                               expected=f"a whole number from {SEED_MIN} to {SEED_MAX} (-2**63 to 2**64 - 1)",
                               found=str(self.seed), hint="pick a smaller seed, e.g. --seed 0")
         if not isinstance(self.budget, Budget):
-            raise wrong("budget", "a precision_audit.analysis.findings.Budget")
-
-
-def resolve_device(device: str, emulate: bool, hw: HardwareInfo) -> tuple[str, str]:
-    """(torch device, mode) for ``--device`` and ``--emulate`` on this machine: ``cuda`` measures real kernels,
-    ``emulated`` computes CUDA autocast's numerics on the CPU (README.md, ``--device``). The audit and
-    ``precision-audit verify`` resolve it the same way."""
-    if device == "cuda" and not hw.cuda_available:
-        raise OptionError("--device cuda was asked for, but torch sees no CUDA GPU",
-                          found=f"torch {hw.torch_version}, CUDA build: {hw.cuda_version or 'no'}",
-                          hint="use --device cpu (numerics are emulated faithfully), or install a CUDA build of torch")
-    if emulate:
-        if device == "cuda":
-            raise OptionError("--emulate runs the emulation on the CPU; it cannot be combined with --device cuda",
-                              hint="drop one of the two: --device cuda measures real kernels, --emulate emulates them")
-        return "cpu", "emulated"
-    torch_device = "cuda" if (device == "cuda" or (device == "auto" and hw.cuda_available)) else "cpu"
-    return torch_device, ("cuda" if torch_device == "cuda" else "emulated")
+            raise wrong("budget", "a precision_audit.options.Budget")
 
 
 def resolve_steps(steps: int | None, mode: str) -> int:
@@ -167,75 +175,3 @@ def resolve_steps(steps: int | None, mode: str) -> int:
     if steps is not None:
         return steps
     return 1 if mode == "cuda" else 0
-
-
-def select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, ...], list[dict[str, str]]]:
-    requested = opts.formats or DEFAULT_FORMATS
-    chosen, skipped = [], []
-    for f in requested:
-        if f is Format.FP32:
-            continue  # the reference always runs
-        if f not in CAPTURE_FORMATS:
-            skipped.append({"format": f.value, "reason": FP8_SKIP_REASON if fp8_requested((f,)) else
-                            f"not measured: {f} runs are not built yet in this version"})
-        elif not target.supports(f.value):
-            skipped.append({"format": f.value,
-                            "reason": f"not a candidate: {target.name} (compute capability {target.cc_string}) "
-                                      f"has no {f} Tensor Cores"
-                                      + (" (TF32 needs Ampere, compute capability 8.0, or newer)"
-                                         if f is Format.TF32 else "")})
-        else:
-            chosen.append(f)
-    if not chosen and opts.formats and not fp8_requested(opts.formats):
-        raise OptionError(
-            f"none of the formats asked for can be audited on {target.name}",
-            found=", ".join(f"{s['format']} ({s['reason']})" for s in skipped),
-            choices=[f.value for f in CAPTURE_FORMATS if target.supports(f.value)],
-            hint="drop --formats, or pick another --target",
-        )
-    return tuple(chosen), skipped
-
-
-@dataclass(frozen=True)
-class RunSetup:
-    """The request met with this machine and the target: resolved once, before anything runs."""
-
-    hardware: HardwareInfo
-    target: GpuSpec
-    target_reason: str
-    formats: tuple[Format, ...]
-    skipped: list[dict[str, str]]
-    device: str
-    mode: str
-    steps: int
-    kernels: str
-    #: cuda mode: the CUDA device the audit runs on (the model's, else the current one; docs/gpu.md, "Devices")
-    gpu_index: int | None = None
-
-    @property
-    def time_label(self) -> str:
-        """Where measured times were measured, as audit.json labels them."""
-        gpu = self.hardware.gpu(self.gpu_index) if self.mode == "cuda" else None
-        if gpu is not None:
-            return f"{gpu.name} (cuda)"
-        return (f"this machine's {self.device.upper()} ("
-                + ("emulated numerics; CPU time, not a GPU estimate" if self.mode == "emulated" else "cuda") + ")")
-
-
-def set_up(opts: AuditOptions, model: torch.nn.Module | None = None) -> RunSetup:
-    """The hardware, the target, the formats, the device, the mode, the timed steps and the kernels. In cuda mode
-    the audit runs on the CUDA device ``model`` is on, else on the current one, and the default target is that
-    GPU (docs/gpu.md, "Devices")."""
-    hw = detect()
-    device, mode = resolve_device(opts.device, opts.emulate, hw)
-    index = None
-    if mode == "cuda":
-        index = model_cuda_index(model) if model is not None else None
-        index = torch.cuda.current_device() if index is None else index
-    if opts.target:
-        target, target_reason = resolve_target(opts.target), "chosen with --target"
-    else:
-        target, target_reason = default_target(hw, index)
-    formats, skipped = select_formats(opts, target)
-    return RunSetup(hw, target, target_reason, formats, skipped, device, mode, resolve_steps(opts.steps, mode),
-                    resolve_kernels(opts.kernels) if mode == "emulated" else "python", index)

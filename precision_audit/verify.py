@@ -22,7 +22,8 @@ import torch
 
 from . import host_rng
 from .errors import SEED_MAX, SEED_MIN, ModelRunError, OptionError, PolicyError
-from .policy.schema import RUNTIME_FORMATS, Policy, named_modules
+from .model_names import named_modules
+from .policy.schema import RUNTIME_FORMATS, Policy
 from .record import VerifyResult
 from .tf32_switches import tf32_switches
 
@@ -66,10 +67,9 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                opts: VerifyOptions, progress: Callable[[str], None] | None = None) -> VerifyResult:
     """Train each arm ``opts.steps`` steps; returns the ``verify`` section of the audit's record (loss curves,
     final divergence, whether the policy arm failed; its ``loss`` is filled in by the caller)."""
-    from .capture.compiled import resolve as resolve_kernels
-    from .capture.emulation import CudaAutocastPolicy, emulated_autocast
     from .capture.reseeds import ReproducibleReseeds
     from .capture.user_autocast import UserAutocast
+    from .emulation import CudaAutocastPolicy, emulated_autocast, resolve_kernels
 
     say = progress or (lambda m: None)
     device_type = "cuda" if mode == "cuda" else "cpu"
@@ -121,7 +121,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
                         losses.append(lv if math.isfinite(lv) else None)
                         skipped[arm] = skipped.get(arm, 0) + int(skip)
             except torch.OutOfMemoryError:
-                raise  # the GPU's limit, not the arm's: cli.py gives the advice
+                raise  # the GPU's limit, not the arm's: cli/main.py gives the advice
             except Exception as e:  # an arm that cannot train (e.g. a banned op under autocast) is reported
                 errors[arm] = f"{type(e).__name__}: {e}"
                 if arm == "fp32":  # nothing to compare with: not a finding about any format

@@ -22,7 +22,7 @@ def _seed():
 def _kernel_cache(tmp_path_factory):
     """An empty compiled-kernel cache and no automatic build, so that a developer's built kernels never change
     which kernels the tests use and no test pays for a compile it does not test: tests run the Python kernels
-    and statistics unless they ask for ``built_kernels`` (tests/capture/test_compiled_kernels.py,
+    and statistics unless they ask for ``built_kernels`` (tests/emulation/test_compiled_kernels.py,
     test_fused_stats.py)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
@@ -34,11 +34,11 @@ def _kernel_cache(tmp_path_factory):
 def built_kernels(tmp_path_factory):
     """The compiled library, built once per test session by the automatic build of ``--kernels auto`` (into its
     own cache; about 20-40 s). Yields (cache folder, the build's log messages). A test that uses it loads it with
-    PRECISION_AUDIT_KERNEL_DIR set to that folder (tests/capture/test_compiled_kernels.py, ``kernel_dir``); a library
+    PRECISION_AUDIT_KERNEL_DIR set to that folder (tests/emulation/test_compiled_kernels.py, ``kernel_dir``); a library
     path loaded twice in one process is the same library, never a second registration."""
     import logging
 
-    from precision_audit.capture import compiled
+    from precision_audit.emulation import compiled
 
     d = tmp_path_factory.mktemp("kernels")
     messages: list[str] = []

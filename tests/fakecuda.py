@@ -300,7 +300,7 @@ class FakeCuda:
         setattr(owner, name, value)
 
     def __enter__(self) -> FakeCuda:
-        from precision_audit.capture.emulation import CudaAutocastPolicy
+        from precision_audit.emulation.autocast import CudaAutocastPolicy
 
         c = torch.cuda
         props = self.props

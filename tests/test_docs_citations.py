@@ -62,3 +62,30 @@ def test_architecture_page_names_every_audit_json_section():
     table = page[page.index("## Where each audit.json section comes from"):]
     missing = sorted(s for s in sections if f"`{s}`" not in table)
     assert not missing, f"docs/architecture.md does not say where these audit.json sections come from: {missing}"
+
+
+#: A package path as the docs and docstrings cite it: ``precision_audit/capture/session.py``, or relative to the
+#: package (``capture/session.py``, ``options.py`` is not matched: a bare module name is ambiguous).
+SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+CITED_PATH = re.compile(r"(?<![\w/.-])(?:precision_audit/)?((?:" + "|".join(SUBPACKAGES) + r")/[\w/]+\.(?:py|cpp)"
+                        r"|precision_audit/[\w]+\.py)")
+
+
+def _cited_paths(text: str) -> set[str]:
+    return {m.removeprefix("precision_audit/") for m in CITED_PATH.findall(text)}
+
+
+def test_the_path_pattern_sees_both_spellings():
+    assert _cited_paths("see precision_audit/capture/session.py and capture/noise.py, precision_audit/audit.py; "
+                        "not tests/capture/test_x.py") == {"capture/session.py", "capture/noise.py", "audit.py"}
+
+
+def test_every_package_file_the_docs_and_docstrings_cite_exists():
+    """Issue 34: a doc or docstring that names a moved file is updated with the move. Scans docs/, README.md and
+    pyproject.toml and every module of the package (docstrings and comments)."""
+    sources = (sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "pyproject.toml"]
+               + sorted(PACKAGE.rglob("*.py")))
+    missing = sorted(f"{src.relative_to(ROOT)}: {path}" for src in sources
+                     for path in _cited_paths(src.read_text(encoding="utf-8"))
+                     if not (PACKAGE / path).is_file())
+    assert not missing, "cited but not in precision_audit/:\n" + "\n".join(missing)

@@ -1,10 +1,11 @@
 """Structure rules of issue 13 for the whole package (docs/architecture.md): no import cycle, no module over
 600 lines, no function over 80 lines (data tables excepted, listed below with the reason).
 
-The import graph counts every import the code can execute: at module level and inside functions (an import
-made when a function runs closes a cycle just the same), and importing ``a.b.c`` also imports the packages
-``a.b`` (their ``__init__``) that are not the importer's own. Imports inside ``if TYPE_CHECKING:`` never run
-and are not edges."""
+The import graph counts every import the code names: at module level, inside functions (an import made when a
+function runs closes a cycle just the same), inside ``if TYPE_CHECKING:`` (a type that names a later stage ties
+the two as much as a call does: issue 34), and the package face's lazy table (precision_audit/__init__.py's
+``_LAZY``, imported by name on first use); importing ``a.b.c`` also imports the packages ``a.b`` (their
+``__init__``) that are not the importer's own."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ PACKAGE = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.to
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
-#: Imports that close a cycle on purpose, each with the reason it stays. None today: the callable module
-#: ``precision_audit.audit`` hands its call to api.py through the package's __init__ (precision_audit/__init__.py),
-#: so audit.py never imports api.py, which imports it.
-ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {}
+#: Imports that close a cycle on purpose, each with the reason it stays.
+ALLOWED_BACK_EDGES: dict[tuple[str, str], str] = {
+    ("precision_audit.audit", "precision_audit"):
+        "the callable module precision_audit.audit takes its class (_AuditModule) from the package's face, which "
+        "hands the call to api.py, so that audit.py never imports api.py, which imports it; the face is loaded "
+        "before any of its modules, so this edge never runs an import",
+}
 
 #: Module-level data tables that do not count towards a module's length, by (module, name), with the reason.
 DATA_TABLES = {
@@ -39,23 +43,21 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
+def _lazy_imports(tree: ast.Module) -> set[str]:
+    """The modules of the package face's ``_LAZY = {name: ".module"}`` table (imported by name on first use)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets):
+            return {f"precision_audit{v.value}" for v in node.value.values  # type: ignore[attr-defined]
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+    return set()
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``name`` imports anywhere in its code (outside ``if TYPE_CHECKING:``)."""
+    """The package's modules that ``name`` imports anywhere in its code (``if TYPE_CHECKING:`` included)."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
-    deps: set[str] = set()
+    deps: set[str] = _lazy_imports(tree) if name == "precision_audit" else set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             deps.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -64,9 +66,11 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             for alias in node.names:
                 full = f"{target}.{alias.name}"
                 deps.add(full if full in modules else target)
+    # the packages above a module are loaded before it: an implicit parent of the importer's own is no edge, but
+    # a name taken from one (``from .. import __version__``) is an import of that package's __init__
     own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)}
-    parents = {".".join(d.split(".")[:i]) for d in deps for i in range(1, d.count(".") + 1)}
-    return {d for d in deps | parents if d in modules and d not in own}
+    parents = {".".join(d.split(".")[:i]) for d in deps for i in range(1, d.count(".") + 1)} - own
+    return {d for d in deps | parents if d in modules and d != name}
 
 
 def _graph() -> dict[str, set[str]]:
@@ -113,8 +117,18 @@ def test_the_import_graph_sees_relative_function_level_and_package_imports():
     assert "precision_audit.analysis.gemm_bench" in graph["precision_audit.analysis.gemm_timing"]
     # importing a module of another package runs that package's __init__ first
     assert "precision_audit.policy" in graph["precision_audit.runtime.apply"]
-    # only inside `if TYPE_CHECKING:` (capture/format_pass.py's view of the session): not an edge
-    assert "precision_audit.capture.session" not in graph["precision_audit.capture.format_pass"]
+    # only inside `if TYPE_CHECKING:` (planning/build_policy.py's types from the analysis): an edge too
+    assert "precision_audit.analysis.findings" in graph["precision_audit.planning.build_policy"]
+    # the package face's lazy table
+    assert {"precision_audit.audit", "precision_audit.runtime.api"} <= graph["precision_audit"]
+
+
+def test_no_module_of_a_subpackage_imports_the_package_face():
+    """Issue 34: the version is precision_audit/version.py's, so that no subpackage imports precision_audit/__init__
+    (which imports every stage lazily: the import would close a circle through the face)."""
+    graph = _graph()
+    bad = sorted(m for m, deps in graph.items() if m.count(".") >= 2 and "precision_audit" in deps)
+    assert not bad, bad
 
 
 def test_every_allowed_back_edge_exists():
@@ -220,9 +234,49 @@ TEST_FOLDERS_BEYOND_THE_PACKAGE = {
 
 def test_the_tests_mirror_the_package():
     tests = PACKAGE.parent / "tests"
-    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.glob("*.py"))}  # capture/ has no __init__
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.rglob("test_*.py"))}
     assert folders - packages - set(TEST_FOLDERS_BEYOND_THE_PACKAGE) == set()
     # one module name per test file: the tests are imported by name (pytest's prepend mode, no __init__.py)
     names = [p.name for p in tests.rglob("*.py") if "golden" not in p.parts]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+#: docs/architecture.md, "The package map": each layer imports only the layers before it (and, in the first and the
+#: last, its own neighbours); a name is a top-level module or a subpackage of precision_audit.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundations", {"errors", "version", "formats", "options", "strict_json", "model_names", "host_rng",
+                     "tf32_switches", "outputs", "gpus", "hardware", "record", "schemas"}),
+    ("policy", {"policy"}),
+    ("runtime", {"runtime"}),
+    ("emulation", {"emulation"}),
+    ("load", {"loading"}),
+    ("capture", {"capture"}),
+    ("analysis", {"analysis"}),
+    ("fp8, planning", {"fp8", "planning"}),
+    ("report", {"report"}),
+    ("setup, assembly", {"run_setup", "assemble"}),
+    ("entry points", {"audit", "api", "verify", "export", "distributed", "integrations", "cli", "__init__",
+                      "__main__"}),
+]
+
+
+def _layer_of(node: str) -> int:
+    name = node.split(".")[1] if "." in node else "__init__"
+    return next(i for i, (_, names) in enumerate(LAYERS) if name in names)
+
+
+def test_every_module_has_a_layer():
+    names = {n for _, ns in LAYERS for n in ns}
+    found = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    assert found == names, f"not in LAYERS: {sorted(found - names)}; gone: {sorted(names - found)}"
+
+
+def test_a_layer_imports_only_the_layers_before_it():
+    graph = _package_graph(_graph())
+    last = len(LAYERS) - 1
+    bad = sorted(f"{a} ({LAYERS[_layer_of(a)][0]}) -> {b} ({LAYERS[_layer_of(b)][0]})"
+                 for a, deps in graph.items() for b in deps
+                 if _layer_of(b) > _layer_of(a) or (_layer_of(b) == _layer_of(a) not in (0, last)))
+    assert not bad, "\n".join(bad)

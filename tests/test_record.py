@@ -31,8 +31,8 @@ from precision_audit.assemble import layer_report, plan_counts, verdict
 from precision_audit.capture.stats import ErrorStats
 from precision_audit.formats import Format
 from precision_audit.gpus import resolve_target
+from precision_audit.planning.build_policy import DEFAULT_INIT_SCALE, build_policy
 from precision_audit.planning.rules import LayerPlan, Plan, plan_by_rules
-from precision_audit.policy.build import DEFAULT_INIT_SCALE, build_policy
 from precision_audit.report.audit_json import ReportInputError, from_json, read, to_json
 
 GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
@@ -210,7 +210,7 @@ def _model():
 
 
 def test_policy_of_a_plan_turns_loss_scaling_on_only_with_fp16_and_tf32_off_after_an_error_pin():
-    from precision_audit.policy.schema import fingerprint
+    from precision_audit.model_names import fingerprint
 
     model, target = _model(), resolve_target("h100")
     fp, n = fingerprint(model)

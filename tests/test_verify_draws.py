@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from fakecuda import FakeCuda
-from precision_audit.policy.schema import LossScaling, Policy, fingerprint, model_layout
+from precision_audit.model_names import fingerprint, model_layout
+from precision_audit.policy.schema import LossScaling, Policy
 from precision_audit.verify import VerifyOptions, run_verify
 
 STEPS = 3

@@ -21,7 +21,7 @@ def test_wheel_in_fresh_venv_renders_a_report(tmp_path):
     assert build.returncode == 0, build.stderr
     wheel = next(dist.glob("precision_audit-*.whl"))
     with zipfile.ZipFile(wheel) as zf:  # build-kernels compiles this source from the installed package
-        assert "precision_audit/capture/_emulation_kernels.cpp" in zf.namelist()
+        assert "precision_audit/emulation/_emulation_kernels.cpp" in zf.namelist()
 
     env_dir = tmp_path / "fresh"
     venv.EnvBuilder(with_pip=True).create(env_dir)

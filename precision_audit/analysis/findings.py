@@ -13,28 +13,8 @@ from typing import Any
 from ..capture.records import CaptureResult, LayerRecord, RunRecord
 from ..capture.stats import ErrorStats, MagnitudeHistogram
 from ..formats import RANGE_FORMATS, Format, headroom_bits
+from ..options import Budget
 from .loss_scale import LossScaleFinding, backward_overflow, recommend_fp16_loss_scale
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The error budget a format must meet to count as safe, relative to FP32.
-
-    ``max_loss_rel_change``: |L_p - L_fp32| / |L_fp32|; ``max_output_rel_error``: relative L2 error of the
-    model's output.
-    """
-
-    max_loss_rel_change: float = 1e-2
-    max_output_rel_error: float = 5e-2
-
-    def __post_init__(self) -> None:
-        for name in ("max_loss_rel_change", "max_output_rel_error"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"Budget.{name} must be a positive finite number, got {v!r}")
-
-    def to_dict(self) -> dict[str, float]:
-        return {"max_loss_rel_change": self.max_loss_rel_change, "max_output_rel_error": self.max_output_rel_error}
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..emulation import is_missing_low_precision_kernel
 from ..formats import Format
 from .failures import RunFailure
-from .gemm_mode import is_missing_low_precision_kernel
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall
 from .reference_store import Kept
@@ -152,7 +152,7 @@ class FormatPasses(SessionState):
             run.error = f"{type(e).__name__}: {e}"
         finally:
             handle.remove()
-            self._stack.clear()
+            self.calls.stack.clear()
         return run
 
     def _post_format(self, m, rec: LayerRecord, ys, args, kwargs, pre) -> None:

@@ -3,7 +3,7 @@
 Each saved tensor is counted once per storage and attributed to the innermost module running when it was
 saved. Parameters (and views of them) are not activations and are left out; low-precision copies of
 parameters (autocast's weight casts) are counted apart. In emulated mode the GEMM inputs are fp32 tensors
-holding fp16/bf16 values (see rounding.py); they are registered there and counted at the size they have on
+holding fp16/bf16 values (see emulation/rounding.py); they are registered there and counted at the size they have on
 a GPU.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import rounding
+from .. import emulation
 from .shards import local_tensor
 
 
@@ -110,7 +110,7 @@ class SavedTensorCounter:
         if ptr in self._param_ptrs:
             return
         nbytes = storage.nbytes()
-        info = rounding.rounded_info(ptr) if self._counting else None
+        info = emulation.rounded_info(ptr) if self._counting else None
         if info is not None:
             nbytes = nbytes * info.itemsize // info.tensor.element_size()
             if info.from_parameter:
@@ -126,7 +126,7 @@ class SavedTensorCounter:
             self.tally.by_module[mid] = self.tally.by_module.get(mid, 0) + nbytes
 
     def __enter__(self) -> SavedTensorCounter:
-        rounding.start_rounding_registry()
+        emulation.start_rounding_registry()
         self._counting = True
         self._hooks = hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -135,7 +135,7 @@ class SavedTensorCounter:
     def __exit__(self, *exc: object) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
-        rounding.stop_rounding_registry()
+        emulation.stop_rounding_registry()
         self._counting = False
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..formats import Format
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .records import float_tensors
 from .reference_store import Kept
 from .stats import ErrorStats, MagnitudeHistogram
@@ -135,7 +135,7 @@ def _sample(session) -> list[torch.nn.Module]:
 def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
     """Re-run the FP32 reference and each format forward-only at the second reduction order (see module doc).
 
-    ``session`` is a :class:`~precision_audit.capture.runner.CaptureSession` whose reference and format passes
+    ``session`` is a :class:`~precision_audit.capture.CaptureSession` whose reference and format passes
     have run (its FP32 outputs are what the sample of layers is compared against).
     """
     cuda = session.config.mode == "cuda"
@@ -208,7 +208,7 @@ class _Fp32Order:
             def hook(m, args, out):
                 refs = self.refs.get(mid)
                 ys = float_tensors(out)
-                if session._rerunning or not refs or name in self.layers or len(refs[0]) != len(ys):
+                if session.calls.rerunning or not refs or name in self.layers or len(refs[0]) != len(ys):
                     return
                 e = ErrorStats()
                 for r, y in zip(refs[0], ys):
@@ -246,7 +246,7 @@ class _Fp32Order:
                 out = session._forward(session.model)
                 self.output(out, session._loss_of(out))
         finally:
-            session._stack.clear()
+            session.calls.stack.clear()
 
 
 def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
@@ -284,7 +284,7 @@ def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
         (session.layers, session.grad_all, session._ref_outputs, session.reference,
          session._ref_grad_nonfinite, session.warnings) = saved
         session._clone_cache.clear()
-        session._stack.clear()
+        session.calls.stack.clear()
         session._reset()
 
 
@@ -314,7 +314,7 @@ def _format_forward(session, fmt: Format, ref_outputs: list[Kept] | None,
         return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
     finally:
         session._phase, session._batch_sink = None, None
-        session._stack.clear()
+        session.calls.stack.clear()
 
 
 def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> OrderRun:
@@ -346,5 +346,5 @@ def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> 
             return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
         finally:
             handle.remove()
-            session._stack.clear()
+            session.calls.stack.clear()
             session._reset()

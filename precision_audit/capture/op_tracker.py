@@ -14,17 +14,15 @@ the format passes or the audit's own statistics). Per op it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelRunError
 from .ops import AutocastWidths, ModuleOps, record_op
+from .session_state import CallStack
 from .shards import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
-
-if TYPE_CHECKING:
-    from .session import CaptureSession
 
 _aten = torch.ops.aten
 # Ops that move or relabel data without computing: they do not make a module "compute".
@@ -60,45 +58,46 @@ _WRITE_HINTS = {
 
 
 class OpTracker(TorchDispatchMode):
-    """Counts compute ops per innermost module during the reference forward (the session's call stack)."""
+    """Counts compute ops per innermost module during the reference forward (the session's call stack, handed
+    over as a :class:`~precision_audit.capture.session_state.CallStack`)."""
 
-    def __init__(self, session: CaptureSession) -> None:
+    def __init__(self, calls: CallStack, model: torch.nn.Module) -> None:
         super().__init__()
-        self.session = session
-        self.param_ptrs: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in session.model.parameters()}
+        self.calls = calls
+        self.param_ptrs: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.widths = AutocastWidths()
-        session._outside_ops = ModuleOps()  # the ops outside every module (the loss), for the cost model
+        calls.outside_ops = ModuleOps()  # the ops outside every module (the loss), for the cost model
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        s = self.session
+        s = self.calls
         written = _written_args(func)
-        if written and not s._rerunning:
+        if written and not s.rerunning:
             self._refuse_parameter_write(func, written, args, kwargs)
         out = func(*args, **kwargs)
-        if s._rerunning:
+        if s.rerunning:
             return out
         low_bytes, cast_bytes = self.widths.after(func, args, kwargs, out)
         if func.is_view or func in _NON_COMPUTE:
             return out
-        if s._stack:
-            s._own_ops[-1] += 1
+        if s.stack:
+            s.own_ops[-1] += 1
             if func not in _ADDS:
-                s._own_work[-1] += 1
-            record_op(s._layer(s._modules[s._stack[-1]]).ops, func, args, kwargs, out, low_bytes, cast_bytes)
+                s.own_work[-1] += 1
+            record_op(s.layer(s.modules[s.stack[-1]]).ops, func, args, kwargs, out, low_bytes, cast_bytes)
         else:  # the loss, computed on the model's output: part of the step, in no module's record
-            record_op(s._outside_ops, func, args, kwargs, out, low_bytes, cast_bytes)
+            record_op(s.outside_ops, func, args, kwargs, out, low_bytes, cast_bytes)
         return out
 
     def _refuse_parameter_write(self, func: Any, written: tuple[tuple[int, str], ...], args: tuple,
                                 kwargs: dict) -> None:
         """Raise before an op writes into a parameter: the audit runs on the user's model and does not copy
         its parameters, so the write must not happen (docs/memory.md)."""
-        s = self.session
+        s = self.calls
         for i, name in written:
             t = args[i] if i < len(args) else kwargs.get(name)
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.param_ptrs:
-                where = s._names.get(s._stack[-1], "?") if s._stack else None
+                where = s.names.get(s.stack[-1], "?") if s.stack else None
                 raise ModelRunError(
                     f"the model writes into its own parameters during the forward pass ({func}), so passes in "
                     "different formats would not start from the same weights",

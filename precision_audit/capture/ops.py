@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils import flop_counter
 
-from .autocast_policy import CUDA_POLICY, CastPolicy
+from ..emulation import CUDA_POLICY, CastPolicy
 
 _aten = torch.ops.aten
 
@@ -134,7 +134,7 @@ def _grouped_mm(args, kwargs, out) -> GemmOp:
     """torch._grouped_mm: G GEMMs in one kernel (the experts of a mixture of experts; transformers' "grouped_mm"
     experts). Its groups split the rows (2-D x 3-D: out [sum M_g, N]), the columns (3-D x 2-D), the reduction
     (2-D x 2-D: out [G, M, N], sum K_g = K) or nothing (3-D x 3-D: out [G, M, N]). It is in no CUDA autocast list
-    of the installed torch's table (capture/autocast_policy.py), so under fp16/bf16 autocast it runs at its
+    of the installed torch's table (emulation/autocast_policy.py), so under fp16/bf16 autocast it runs at its
     inputs' dtype."""
     a, b = args[0], args[1]
     k = a.shape[-1]

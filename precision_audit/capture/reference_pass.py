@@ -23,16 +23,15 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import host_rng
+from ..emulation import is_missing_low_precision_kernel, rounding_registry_paused
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
 from .call_args import copy_arguments
 from .failures import RunFailure
-from .gemm_mode import is_missing_low_precision_kernel
 from .model_state import module_attributes, put_attributes_back
 from .output_grads import autograd_nodes
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .reference_store import Kept
-from .rounding import rounding_registry_paused
 from .session_state import RngState, SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram, dot64, nonfinite_where
@@ -294,7 +293,7 @@ class ReferencePass(SessionState):
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[Kept]] = {}
         pre_rng, snapshot, draw_start = pre.rng, pre.snapshot, pre.draw_start
-        self._rerunning = True
+        self.calls.rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
         attributes = module_attributes(m)  # after the call: what the re-runs leave the module as
@@ -318,7 +317,7 @@ class ReferencePass(SessionState):
                         out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.user_region)
                 except torch.OutOfMemoryError:
                     # not a finding of this module: a "not measured" here would read as zero impact to the
-                    # planner; the audit stops with cli.py's advice (smaller batch, --device cpu)
+                    # planner; the audit stops with cli/main.py's advice (smaller batch, --device cpu)
                     raise
                 except Exception as e:  # the module fails under autocast: reported, not fatal
                     fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
@@ -344,7 +343,7 @@ class ReferencePass(SessionState):
         finally:
             put_attributes_back(attributes)
             self._set_rng_state(now)
-            self._rerunning = False
+            self.calls.rerunning = False
         return diffs
 
     def _batch_call_output(self, m, fmt: Format, call: BatchCall, refs: list[Kept] | None, args, kwargs,
@@ -361,7 +360,7 @@ class ReferencePass(SessionState):
             ps = ys
         else:
             now = self._rng_state()
-            self._rerunning = True
+            self.calls.rerunning = True
             attributes = module_attributes(m)
             try:
                 put_attributes_back(call.attributes)
@@ -371,7 +370,7 @@ class ReferencePass(SessionState):
             finally:
                 put_attributes_back(attributes)
                 self._set_rng_state(now)
-                self._rerunning = False
+                self.calls.rerunning = False
         if refs is None or len(ps) != len(refs) or any(r.shape != p.shape for r, p in zip(refs, ps)):
             return "not measured: the re-run returned outputs of another structure"
         return ps

@@ -29,7 +29,6 @@ import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,59 +36,36 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import host_rng
+from ..emulation import (
+    KNOWN_GAPS,
+    TF32_EMULATION,
+    CudaAutocastPolicy,
+    LowPrecisionGemmMode,
+    Tf32GemmMode,
+    emulated_autocast,
+)
 from ..errors import AuditError, ModelLoadError, ModelRunError
 from ..formats import LOW_PRECISION_DTYPES, Format
+from ..model_names import named_modules
 from ..outputs import _NoInterrupt
-from ..policy.schema import named_modules
 from ..tf32_switches import tf32_switches
 from .checkpointing import NonReentrantCheckpoints
-from .emulation import KNOWN_GAPS, CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
+from .config import CaptureConfig
 from .failures import RunFailure
 from .format_pass import FormatPasses
-from .gemm_mode import TF32_EMULATION, Tf32GemmMode
 from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
-from .ops import ModuleOps
 from .output_grads import OutputGradHooks
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
 from .reference_store import Kept, ReferenceStore, release_free_heap
 from .reseeds import ReproducibleReseeds
 from .rng_replay import RandomDraws, recording, replaying
-from .session_state import RngState
+from .session_state import CallStack, RngState, StepControls
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
 from .user_autocast import UserAutocast
-
-
-@dataclass(frozen=True)
-class CaptureConfig:
-    """How to run the capture.
-
-    ``mode`` is ``"cuda"`` (real ``torch.autocast("cuda")``) or ``"emulated"`` (CUDA autocast's policy and
-    Tensor Core rounding computed on any device). ``loss_scales`` maps a format to the loss scale its
-    backward uses (FP16 needs one; BF16 does not).
-    """
-
-    formats: tuple[Format, ...]
-    device: str = "cpu"
-    mode: str = "emulated"
-    seed: int = 0
-    timed_steps: int = 1
-    kernels: str = "python"  # emulated mode: "python" or "compiled" (see capture/compiled.py)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("cuda", "emulated"):
-            raise ValueError(f"mode must be 'cuda' or 'emulated', got {self.mode!r}")
-        if self.mode == "cuda" and not self.device.startswith("cuda"):
-            raise ValueError("mode 'cuda' needs a cuda device")
-        for f in self.formats:
-            if f not in LOW_PRECISION_DTYPES and f is not Format.TF32:
-                raise ValueError(f"format {f} cannot be captured (capturable: fp16, bf16, tf32)")
-        if self.timed_steps < 0:
-            raise ValueError("timed_steps must be >= 0")
-
 
 NO_GRAD_NOTE = ("no output gradient measured: its output does not require grad in the forward (computed under "
                 "torch.no_grad(), from nothing that requires grad, or inside a custom autograd Function, as Hugging "
@@ -139,6 +115,8 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.training = model.training
         self._names = {id(m): n for n, m in named_modules(self.model)}
         self._modules = {id(m): m for _, m in named_modules(self.model)}
+        # the module calls running now: the session's hooks push and pop them, the op tracker reads them
+        self.calls = CallStack(self._names, self._modules, self._layer)
         # Passes never step an optimizer, so parameters do not change (checked, not copied); buffers do
         # (BatchNorm's running statistics), and are put back before every pass.
         self._param_versions: list[int] = []
@@ -155,13 +133,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.warnings: list[str] = []
         # per-run state
         self._phase: Format | str | None = None
-        self._stack: list[int] = []
-        self._own_ops: list[int] = []
-        self._own_work: list[int] = []  # per call on the stack: its own ops other than additions (_ADDS)
         self._pre_rng: list[Any] = []
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
         self._draw_mismatches = 0
-        self._rerunning, self._outside_ops = False, ModuleOps()  # ops outside every module: the loss (op_tracker.py)
         # Calls on the batch itself (capture/reference_pass.py, BatchCall): the root call's tensor arguments with
         # their versions, and (module, call) -> what the format passes need to measure the call's local error
         self._batch_tensors: dict[int, tuple[torch.Tensor, int]] = {}
@@ -198,7 +172,16 @@ class CaptureSession(ReferencePass, FormatPasses):
         # The dispatch mode costs a Python call per op; it is switched on only when the model hits a CPU
         # kernel with no Half/BFloat16 implementation (then every later pass uses it).
         self._use_gemm_mode = False
-        self._timer, self._counters = StepTimer(self), []
+        self._timer, self._counters = StepTimer(self, self._step_controls()), []
+
+    def _step_controls(self) -> StepControls:
+        """What the step timer may do to the runs (looked up at each call: a subclass's own ``_reset`` counts)."""
+        return StepControls(
+            self.calls, reset=lambda: self._reset(), install_hooks=lambda: self._install_hooks(),
+            remove_hooks=lambda: self._remove_hooks(), set_phase=lambda p: setattr(self, "_phase", p),
+            fp32_switches=lambda: self._fp32_reference_switches(), autocast=lambda f: self._autocast(f),
+            backward_context=lambda f: self._backward_context(f),
+            loss=lambda: self._loss_of(self._forward(self.model)))
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:
@@ -287,9 +270,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         if self.config.mode == "cuda":
             torch.cuda.manual_seed_all(self.config.seed)
         host_rng.seed(self.config.seed)  # np.random / random in the model's forward draw alike in every pass
-        self._stack.clear()
-        self._own_ops.clear()
-        self._own_work.clear()
+        self.calls.stack.clear()
+        self.calls.own_ops.clear()
+        self.calls.own_work.clear()
         self._pre_rng.clear()
         self._call_index.clear()
         self._stat_cache.clear()
@@ -446,12 +429,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         if self._phase == "profile":
             self._timer.pre(m)
             return
-        if self._phase is None or self._rerunning:
+        if self._phase is None or self.calls.rerunning:
             return
         with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
-            self._stack.append(id(m))
-            self._own_ops.append(0)
-            self._own_work.append(0)
+            self.calls.stack.append(id(m))
+            self.calls.own_ops.append(0)
+            self.calls.own_work.append(0)
             if self._phase == "ref":
                 if m is self.model:  # the batch as the model is given it (calls on it: BatchCall)
                     self._batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
@@ -467,9 +450,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         if self._phase == "profile":
             self._timer.post(m)
             return
-        if self._phase is None or self._rerunning:
+        if self._phase is None or self.calls.rerunning:
             return
-        if not self._stack or self._stack[-1] != id(m):
+        if not self.calls.stack or self.calls.stack[-1] != id(m):
             return  # a hook registered mid-call; ignore
         # The statistics below run tensor ops; the op tracker must not see them (they are not the model's
         # work, and would make a parent module look as if it computed something itself).
@@ -477,9 +460,9 @@ class CaptureSession(ReferencePass, FormatPasses):
             self._post_hook_body(m, args, kwargs, output)
 
     def _post_hook_body(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self._stack.pop()
-        own_ops = self._own_ops.pop()
-        own_work = self._own_work.pop()
+        self.calls.stack.pop()
+        own_ops = self.calls.own_ops.pop()
+        own_work = self.calls.own_work.pop()
         pre_rng = self._pre_rng.pop()
         ys = float_tensors(output)
         if self._batch_sink is not None:  # the second order's format forward: calls on the batch only
@@ -505,13 +488,13 @@ class CaptureSession(ReferencePass, FormatPasses):
     # -- runs ----------------------------------------------------------------------------------------
     def _run(self, fmt: Format | None) -> tuple[Any, torch.Tensor]:
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
-        counter = SavedTensorCounter(self.model, lambda: self._stack[-1] if self._stack else None)
+        counter = SavedTensorCounter(self.model, lambda: self.calls.stack[-1] if self.calls.stack else None)
         self._counters.append(counter)
         self._out_hooks = OutputGradHooks()
         try:
             if fmt is None:
                 # the repeat at the second order reads the first pass's per-call op counts (_call_ops)
-                tracker = contextlib.nullcontext() if self._impacts_only else OpTracker(self)
+                tracker = contextlib.nullcontext() if self._impacts_only else OpTracker(self.calls, self.model)
                 with self._fp32_reference_switches(), counter, self._same_draws(None), tracker:
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
@@ -527,12 +510,13 @@ class CaptureSession(ReferencePass, FormatPasses):
             for mid, nbytes in counter.tally.by_module.items():
                 self._layer(self._modules[mid]).saved_bytes[key] = nbytes
         except (torch.OutOfMemoryError, AuditError):
-            # the user's own errors (a loss_fn returning a vector) and OOM (cli.py advises a smaller batch) pass as is
-            self._stack.clear()
+            # the user's own errors (a loss_fn returning a vector) and OOM (cli/main.py advises a smaller batch)
+            # pass as is
+            self.calls.stack.clear()
             raise
         except Exception as e:
-            where = self._names.get(self._stack[-1], "?") if self._stack else None
-            self._stack.clear()
+            where = self._names.get(self.calls.stack[-1], "?") if self.calls.stack else None
+            self.calls.stack.clear()
             raise RunFailure(e, where) from e
         return out, loss
 
@@ -595,6 +579,6 @@ class CaptureSession(ReferencePass, FormatPasses):
             + self._reseeds.warning(),
             memory=dict(self.memory),
             traces=dict(self.traces),
-            outside_ops=self._outside_ops,
+            outside_ops=self.calls.outside_ops,
         )
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..formats import Format
 from ..host_rng import HostRng
+from .ops import ModuleOps
 from .output_grads import OutputGradHooks
 from .records import LayerRecord, RunRecord
 from .reference_store import Kept, ReferenceStore
@@ -26,6 +28,38 @@ from .user_autocast import UserAutocast
 
 # torch's CPU generator, the device's CUDA generator (cuda mode), Python's and NumPy's (precision_audit/host_rng.py)
 RngState = tuple[torch.Tensor, torch.Tensor | None, HostRng]
+
+
+@dataclass
+class CallStack:
+    """The module calls running now, and the ops each has run itself: the session's hooks push and pop the calls
+    (capture/session.py), the reference forward's op tracker counts each op under the innermost one
+    (capture/op_tracker.py). The session owns it and hands it to the tracker, which sees nothing else of it."""
+
+    names: dict[int, str]  # id(module) -> its named_modules() name
+    modules: dict[int, torch.nn.Module]
+    layer: Callable[[torch.nn.Module], LayerRecord]  # the module's record, made on its first call
+    stack: list[int] = field(default_factory=list)  # id(module) of each call running, innermost last
+    own_ops: list[int] = field(default_factory=list)  # per call on the stack: the ops it ran itself
+    own_work: list[int] = field(default_factory=list)  # per call on the stack: its own ops other than additions
+    rerunning: bool = False  # a module is being re-run alone: its ops are not the model's
+    outside_ops: ModuleOps = field(default_factory=ModuleOps)  # the ops outside every module (the loss)
+
+
+@dataclass
+class StepControls:
+    """What the step timer (capture/timing.py) may do to the session's runs, handed over by the session: the timer
+    calls these and reads the call stack's names, and sees nothing else of the session's own state."""
+
+    calls: CallStack
+    reset: Callable[[], None]  # every pass's fresh start (buffers, generators, caches)
+    install_hooks: Callable[[], None]  # the session's module hooks, on
+    remove_hooks: Callable[[], None]  # and off (the clean steps run without them)
+    set_phase: Callable[[Format | str | None], None]  # "profile": the hooks time each module for the timer
+    fp32_switches: Callable[[], AbstractContextManager[None]]  # FP32's TF32 switches (off on CUDA)
+    autocast: Callable[[Format], AbstractContextManager[None]]  # a format's forward context
+    backward_context: Callable[[Format], AbstractContextManager[None]]  # and its backward's
+    loss: Callable[[], torch.Tensor]  # the model's forward on the batch, and its loss
 
 
 class SessionState:
@@ -44,10 +78,9 @@ class SessionState:
     _modules: dict[int, torch.nn.Module]
     _phase: Format | str | None
     _use_gemm_mode: bool
-    _rerunning: bool
+    calls: CallStack
     _impacts_only: bool  # the second reduction order's repeat: loss impacts only (docs/performance.md)
     _call_ops: dict[tuple[int, int], tuple[int, int]]  # each call's op counts from the first pass
-    _stack: list[int]
     _call_index: dict[int, int]
     _batch_calls: bool
     _outputs_only_backward: bool

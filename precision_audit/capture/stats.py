@@ -6,7 +6,7 @@ so "what fraction would flush to zero in FP16 at loss scale 2^k" is an exact cou
 
 Two implementations of every update, with the same results (docs/performance.md, "Statistics: one read per tensor"):
 
-- **fused** (CPU tensors, when the compiled library of capture/compiled.py is loaded): one C++ pass per
+- **fused** (CPU tensors, when the compiled library of emulation/compiled.py is loaded): one C++ pass per
   tensor (``range_stats``, ``error_sums`` in ``_emulation_kernels.cpp``) reads each element once and yields
   the bucket counts, zeros, NaNs, infs and the largest finite magnitude together (buckets found from the float's
   exponent bits, not by a binary search), or every error sum together, accumulated in double from the
@@ -33,9 +33,9 @@ from functools import cache
 
 import torch
 
+from ..emulation import compiled
 from ..formats import RANGE_FORMATS, SPECS, Format
 from ..runtime.attribution import stored_values  # the controller reads sparse gradients the same way
-from . import compiled
 
 # The fused path is used when the compiled library is loaded and the tensors are on the CPU; False forces the
 # Python path (see python_statistics()).
@@ -55,7 +55,7 @@ def python_statistics() -> Iterator[None]:
 
 def _fused(*tensors: torch.Tensor):
     """The compiled ops namespace when the fused path applies to these tensors, else None."""
-    if not FUSED or compiled._loaded is None:
+    if not FUSED or not compiled.is_loaded():
         return None
     for t in tensors:
         if t.device.type != "cpu" or t.dtype not in _FUSED_DTYPES:
@@ -110,7 +110,7 @@ def dot64(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def is_fused() -> bool:
     """Whether CPU statistics are computed by the fused pass now."""
-    return FUSED and compiled._loaded is not None
+    return FUSED and compiled.is_loaded()
 
 # Loss scales 2^k considered for FP16 gradients. GradScaler starts at 2^16; models that overflow back off
 # below 1, and tiny gradients may want up to 2^40.

@@ -16,14 +16,12 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..formats import Format
-
-if TYPE_CHECKING:
-    from .session import CaptureSession
+from .session_state import StepControls
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +31,26 @@ def has_compiled_parts(model: torch.nn.Module) -> bool:
     return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
 
 
+class TimedSession(Protocol):
+    """What the step timer reads of its session: public figures only (its runs' operations are the
+    :class:`~precision_audit.capture.session_state.StepControls` the session hands over)."""
+
+    config: Any  # a CaptureConfig (capture/config.py)
+    model: torch.nn.Module
+    runs: dict[Format, Any]  # RunRecord per format pass that ran (capture/records.py)
+    step_times: dict[str, list[float]]
+    memory: dict[str, dict[str, int]]
+    traces: dict[str, bytes]
+    warnings: list[str]
+
+
 class StepTimer:
     """Per format, clean steps then instrumented steps on a session's model; profiled ones on request (see
     :meth:`run`)."""
 
-    def __init__(self, session: CaptureSession) -> None:
+    def __init__(self, session: TimedSession, controls: StepControls) -> None:
         self.s = session
+        self.c = controls
         self.cuda = session.config.mode == "cuda"
         self._prof_stack: list[tuple[int, Any, Any]] = []
         self._pending_events: list[tuple[int, Any, Any]] = []
@@ -73,21 +85,20 @@ class StepTimer:
                 self._collect_layer_times()
             for mid, ts in self._layer_times.items():
                 if ts:
-                    s._layer(s._modules[mid]).measured_time_s[key] = min(ts)
+                    self.c.calls.layer(self.c.calls.modules[mid]).measured_time_s[key] = min(ts)
         if traces and steps:
             self._profiled(timed, steps)
-        s._reset()
+        self.c.reset()
         return s.step_times
 
     def _instrumented_step(self, fmt: Format | None) -> None:
-        s = self.s
-        s._reset()
-        s._phase = "profile"
+        self.c.reset()
+        self.c.set_phase("profile")
         try:
             self.step(fmt)
             self._sync()
         finally:
-            s._phase = None
+            self.c.set_phase(None)
 
     def _profiled(self, formats: list[Format | None], steps: int) -> None:
         """One warm-up and ``steps`` profiled steps per format, under one profiler; the traces go to the
@@ -132,15 +143,15 @@ class StepTimer:
 
     def step(self, fmt: Format | None) -> None:
         """One forward and backward, as a training step runs them (TF32 off on CUDA, but for the TF32 format)."""
-        s = self.s
+        c = self.c
         if fmt is None:
-            with s._fp32_reference_switches():
-                loss = s._loss_of(s._forward(s.model))
+            with c.fp32_switches():
+                loss = c.loss()
                 loss.backward()
         else:
-            with s._autocast(fmt):
-                loss = s._loss_of(s._forward(s.model))
-            with s._backward_context(fmt):
+            with c.autocast(fmt):
+                loss = c.loss()
+            with c.backward_context(fmt):
                 loss.float().backward()
 
     def _clean_steps(self, fmt: Format | None, steps: int) -> list[float]:
@@ -155,10 +166,10 @@ class StepTimer:
         key = "fp32" if fmt is None else fmt.value
         times: list[float] = []
         peaks: list[int] = []
-        s._remove_hooks()
+        self.c.remove_hooks()
         try:
             for i in range(steps + 1):
-                s._reset()
+                self.c.reset()
                 base = self._peak_start()
                 self._sync()
                 run = self._timed_step if i else self._warm_up
@@ -168,7 +179,7 @@ class StepTimer:
                     if base is not None:
                         peaks.append(int(torch.cuda.max_memory_allocated(s.config.device)) - base)
         finally:
-            s._install_hooks()
+            self.c.install_hooks()
         if peaks:
             s.memory.setdefault(key, {})["peak_bytes"] = max(peaks)
         return times
@@ -198,7 +209,7 @@ class StepTimer:
                        "are its eager ones")
                 log.warning("%s", msg)
                 self.s.warnings.append(msg)
-                self.s._reset()
+                self.c.reset()
         self.step(fmt)
         self._sync()
         return 0.0
@@ -225,7 +236,7 @@ class StepTimer:
 
     def pre(self, m: torch.nn.Module) -> None:
         """A module's forward starts in a profiled step: open its ``module::<name>`` range and its timer."""
-        rf = torch.autograd.profiler.record_function(f"module::{self.s._names.get(id(m), '?') or '(model)'}")
+        rf = torch.autograd.profiler.record_function(f"module::{self.c.calls.names.get(id(m), '?') or '(model)'}")
         rf.__enter__()
         if self.cuda:
             start: Any = torch.cuda.Event(enable_timing=True)

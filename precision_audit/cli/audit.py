@@ -21,8 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-from .. import __version__
 from ..errors import OptionError
+from ..version import __version__
 from .commands import help_text
 
 EPILOG = f"""\
@@ -41,7 +41,7 @@ previous results untouched or the complete new ones).
 
 
 def _budget(text: str):
-    from ..analysis.findings import Budget
+    from ..options import Budget
 
     keys = {"loss": "max_loss_rel_change", "output": "max_output_rel_error"}
     values: dict[str, float] = {}

@@ -1,5 +1,5 @@
 """``precision-audit build-kernels [--verbose]``: compile the emulation's C++ autocast kernels once
-(precision_audit/capture/compiled.py); later emulated audits use them (``--kernels auto``)."""
+(precision_audit/emulation/compiled.py); later emulated audits use them (``--kernels auto``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def build_kernels_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from ..capture import compiled
+    from ..emulation import compiled
 
     if compiled.is_built():
         print(f"compiled kernels already built: {compiled.library_path()}")

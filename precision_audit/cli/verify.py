@@ -44,11 +44,11 @@ def verify_main(argv: list[str]) -> int:
     from ..audit import SubjectRun
     from ..hardware import detect
     from ..loading import load_batch, load_model
-    from ..options import resolve_device
     from ..outputs import check_out_dir, write_files
     from ..policy.io import load_policy
     from ..report.audit_json import to_json
     from ..report.terminal import Progress
+    from ..run_setup import resolve_device
     from ..verify import VerifyOptions, run_verify
 
     opts = VerifyOptions(steps=args.steps, lr=args.lr, optimizer=args.optimizer, seed=args.seed)

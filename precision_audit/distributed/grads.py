@@ -69,7 +69,7 @@ class GradTaker:
 
     def _count(self, module: torch.nn.Module, args: Any) -> None:
         # a local re-run (no autograd) and a forward without autograd register no backward reduce-scatter
-        if torch.is_grad_enabled() and not self.session._rerunning:
+        if torch.is_grad_enabled() and not self.session.calls.rerunning:
             self._calls[id(module)] = self._calls.get(id(module), 0) + 1
 
     def _take(self, p: torch.Tensor) -> None:

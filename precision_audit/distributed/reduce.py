@@ -109,7 +109,7 @@ def _check_same_layout(layout: list[str], lockstep: Lockstep, what: str) -> None
 
 
 def reference_fields(red: Reduction, layers: Iterable[LayerRecord]) -> None:
-    """What the FP32 reference pass measured in each record (capture/runner.py ``reference_run``)."""
+    """What the FP32 reference pass measured in each record (capture/__init__.py ``reference_run``)."""
     for rec in layers:
         w = rec.name or "(root)"
         red.histogram(rec.activation, f"{w}.activation")
@@ -125,7 +125,7 @@ def reference_fields(red: Reduction, layers: Iterable[LayerRecord]) -> None:
 
 
 def format_fields(red: Reduction, layers: Iterable[LayerRecord], fmt: Format, run: RunRecord) -> None:
-    """What one format pass measured (capture/runner.py ``format_run``)."""
+    """What one format pass measured (capture/__init__.py ``format_run``)."""
     for rec in layers:
         fs = rec.formats.get(fmt)
         if fs is None:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError, ModelLoadError, OptionError
+from ..options import AuditOptions
 from . import failure
 from .failure import Board, Watchdog
 
@@ -63,7 +64,7 @@ def cuda_index(local_rank: int, local_world: int, count: int) -> int:
                            "GPU (CUDA_VISIBLE_DEVICES per rank, SLURM --gpus-per-task=1)")
 
 
-def run_rank(opts: Any, shard: str | None, progress: Any, verbose: bool = False) -> Any:
+def run_rank(opts: AuditOptions, shard: str | None, progress: Any, verbose: bool = False) -> Any:
     """Run this rank's part of the audit. Returns the saved result on rank 0, the exit code on the others (which
     print nothing); a failure ends the process with its exit code (module docstring)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -124,7 +125,7 @@ def _unexpected(e: Exception, board: Board, verbose: bool) -> None:
                EXIT_INTERNAL, internal=True)
 
 
-def _load_agreed(opts: Any, rank: int, world: int, device: str, board: Board) -> tuple[Any, Any, Any]:
+def _load_agreed(opts: AuditOptions, rank: int, world: int, device: str, board: Board) -> tuple[Any, Any, Any]:
     """Load and split, then agree: nobody starts computing unless every rank could load its share, and every
     rank's batch has the same structure (the same tensors, dtypes and dimensions; their sizes may differ)."""
     from ..outputs import check_out_dir
@@ -227,7 +228,7 @@ def _terminated(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _device(opts: Any) -> str:
+def _device(opts: AuditOptions) -> str:
     if opts.device == "cuda" or (opts.device == "auto" and not opts.emulate and torch.cuda.is_available()):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         index = cuda_index(local, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
@@ -240,7 +241,7 @@ def on_meta(model: torch.nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
-def _load(opts: Any, rank: int, world: int) -> tuple[Any, Any, Any]:
+def _load(opts: AuditOptions, rank: int, world: int) -> tuple[Any, Any, Any]:
     from ..loading import check_trainable, load_model
     from .batch import rank_share
 
@@ -314,7 +315,7 @@ def _shard(model: torch.nn.Module, source: Any, shard: str | None, device: str) 
     return sharded
 
 
-def _audit(opts: Any, shard: str | None, progress: Any, rank: int, world: int, device: str, model: Any,
+def _audit(opts: AuditOptions, shard: str | None, progress: Any, rank: int, world: int, device: str, model: Any,
            source: Any, share: Any, *, board: Board, watchdog: Watchdog) -> Any:
     from ..audit import Subject, compute_audit, result_of
     from .lockstep import Lockstep

@@ -2,7 +2,7 @@
 rank").
 
 A format pass runs each GEMM on a low-precision copy of its weight (CUDA autocast's cast; in emulated mode an
-fp32 tensor holding the rounded values, precision_audit/capture/rounding.py), and autograd keeps that copy for
+fp32 tensor holding the rounded values, precision_audit/emulation/rounding.py), and autograd keeps that copy for
 the backward. FSDP2 frees a unit's unsharded parameters after its forward, but not these copies: by the end of the
 forward a rank would hold a copy of every weight of the whole model (in emulated mode at fp32 size). Under FSDP2
 :class:`RecomputingCounter` (the session's saved-tensor counter, precision_audit/capture/memory.py, with the same
@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..capture import rounding
+from .. import emulation
 from ..capture.memory import SavedTensorCounter
 
 _CASTS = ("ToCopyBackward0",)
@@ -127,7 +127,7 @@ class RecomputingCounter(SavedTensorCounter):
                 self._replaced[ptr] = (self._replaced[ptr][0], False)
             return kept
         if ptr not in self._replaced:
-            info = rounding.rounded_info(ptr)
+            info = emulation.rounded_info(ptr)
             owner = info.tensor if info is not None else (t._base if t._base is not None else t)
             self._replaced[ptr] = (weakref.ref(owner), True)
         return recipe
@@ -142,9 +142,7 @@ class RecomputingCounter(SavedTensorCounter):
     def release(self) -> None:
         """The end of an FSDP unit's forward: let go of the copies replaced so far, and forget their addresses
         once they are freed (a later tensor at the same address is another tensor, counted as such)."""
-        rounded = rounding._ROUNDED  # the registry keeps each rounded tensor alive for its address
-        if rounded is not None:
-            rounding._drain_compiled()
+        rounded = emulation.drained_registry()  # the registry keeps each rounded tensor alive for its address
         for ptr, (ref, all_replaced) in list(self._replaced.items()):
             if not all_replaced:
                 continue

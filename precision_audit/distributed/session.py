@@ -1,6 +1,6 @@
 """The capture session of one rank: the single-process session, with every pass's statistics reduced across ranks.
 
-:class:`DistributedCaptureSession` runs the same passes as :class:`~precision_audit.capture.runner.CaptureSession`
+:class:`DistributedCaptureSession` runs the same passes as :class:`~precision_audit.capture.CaptureSession`
 on this rank's share of the global batch, and after each pass replaces the records that pass wrote with their
 sums over every rank (precision_audit/distributed/reduce.py). Every rank therefore holds the global batch's
 statistics after every pass, takes the same decisions (the FP16 loss scale, the plan and its verification) and so
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..capture import CaptureSession
 from ..capture import noise as _noise
 from ..capture.reference_pass import LOSS_SOURCE
-from ..capture.runner import CaptureSession
 from ..capture.stats import ErrorStats, dot64
 from ..formats import Format
 from . import reduce as R
@@ -202,14 +202,14 @@ class DistributedCaptureSession(CaptureSession):
         with contextlib.suppress(AttributeError, TypeError):
             setattr(e, _AGREED, True)  # noqa: B010 - once per exception, however many wrappers it crosses
         self._raised_count += 1
-        where = self._names.get(self._stack[-1], "?") if self._stack else None
+        where = self._names.get(self.calls.stack[-1], "?") if self.calls.stack else None
         self._model_raised(e, f"{part} of the {self._stage}", where)
 
     def _where(self) -> str:
-        return f"'{self._names.get(self._stack[-1], '?') or '(root)'}'" if self._stack else "the model"
+        return f"'{self._names.get(self.calls.stack[-1], '?') or '(root)'}'" if self.calls.stack else "the model"
 
     def _pre_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._phase not in (None, "profile") and not self._rerunning:
+        if self._phase not in (None, "profile") and not self.calls.rerunning:
             self._lockstep.called(self._names.get(id(m), "?") or "(root)")
         super()._pre_hook(m, args, kwargs)
 
@@ -414,14 +414,14 @@ class Untracked:
 
     def _pause(self, *args: Any, **kwargs: Any) -> None:
         s = self.session
-        self._saved.append(bool(s._rerunning) if s is not None else False)
+        self._saved.append(bool(s.calls.rerunning) if s is not None else False)
         if s is not None:
-            s._rerunning = True
+            s.calls.rerunning = True
 
     def _resume(self, *args: Any, **kwargs: Any) -> None:
         was = self._saved.pop() if self._saved else False
         if self.session is not None:
-            self.session._rerunning = was
+            self.session.calls.rerunning = was
 
     def install(self, model: torch.nn.Module) -> None:
         """Around every FSDP unit's hooks; call after sharding and before the session installs its own hooks."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import PolicyError
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .policy import Fp8Plan
 from .recipes import RECIPES
 

@@ -13,7 +13,7 @@ For every ``nn.Linear`` of the model and every recipe:
 - delayed scaling: the steps at which the amax history would have been stale (the step's amax saturating under
   the scale taken from earlier steps), over ``history_steps`` steps of the audited batch.
 
-The model is run in place and put back exactly (capture/runner.py's :class:`ModelState`).
+The model is run in place and put back exactly (capture/__init__.py's :class:`ModelState`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from .. import host_rng
+from ..capture import ModelState
 from ..capture.records import float_tensors
-from ..capture.runner import ModelState
 from ..capture.stats import ErrorStats
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .linear import Fp8State, OperandStats, finite_metrics, fp8_linear, patched
 from .other_gemms import OtherGemm, measure_other_gemms, other_gemms_dict
 from .recipes import DEFAULT_RECIPES, RECIPES, Recipe

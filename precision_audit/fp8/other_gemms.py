@@ -23,7 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..capture.stats import ErrorStats
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .linear import Fp8State, OperandStats, finite_metrics
 from .recipes import RECIPES
 

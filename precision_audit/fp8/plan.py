@@ -21,7 +21,7 @@ import torch
 from .. import host_rng
 from ..capture.stats import ErrorStats
 from ..gpus import GpuSpec
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 from .cost import LayerCost, layer_cost
 from .measure import Fp8Result, LayerResult
 from .recipes import RECIPES, supported
@@ -153,8 +153,8 @@ def make_verifier(model: torch.nn.Module, forward: Callable[[torch.nn.Module], A
                   device: str = "cpu") -> Callable[[dict[str, str]], tuple[float, ErrorStats]]:
     """A ``verify`` for :func:`plan_fp8`: one forward of ``model`` with the given linears under their recipes
     (the others in FP32), its loss and output error against ``ref_out``. The model is put back after each run."""
+    from ..capture import ModelState
     from ..capture.records import float_tensors
-    from ..capture.runner import ModelState
     from .linear import Fp8State, patched
 
     def verify(modules: dict[str, str]) -> tuple[float, ErrorStats]:

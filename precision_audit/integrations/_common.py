@@ -135,7 +135,8 @@ def check_against_trainer(policy: Any, trainer_fmt: str, flag: str, apply: bool)
 def training_policy(policy: Any, model: torch.nn.Module) -> Any:
     """The policy with its default format added as an override on each top-level submodule it does not name
     (on the model itself when it has none)."""
-    from ..policy.schema import ModuleOverride, unwrap_model
+    from ..model_names import unwrap_model
+    from ..policy.schema import ModuleOverride
 
     root = unwrap_model(model)
     children = [name for name, _ in root.named_children()] or [""]

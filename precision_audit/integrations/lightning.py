@@ -10,7 +10,7 @@ Example::
 Lightning hands the batch to ``on_train_batch_start`` (already on the module's device), before
 ``training_step`` runs, so before the first optimizer step. The audit runs the LightningModule's ``forward``
 on that batch as a BATCH file is read: ``(x, y)`` becomes input ``x`` and target ``y`` when ``forward(x)`` takes
-one input, a dict becomes keyword inputs (precision_audit/loading.py). Pass ``loss_fn(output, batch)`` (the batch
+one input, a dict becomes keyword inputs (precision_audit/loading/batch.py). Pass ``loss_fn(output, batch)`` (the batch
 as the training step gets it) when the loss your ``training_step`` computes is not the one inferred. Only
 global rank 0 audits; apply_policy is single-process only. The trainer's ``precision=`` is compared with the
 plan and a conflict is logged as a warning (precision_audit/integrations/_common.py); the handle of an applied

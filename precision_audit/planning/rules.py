@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..analysis.findings import Analysis, LayerFinding
 from ..formats import LOW_PRECISION_FORMATS, SPECS, Format
-from ..policy.schema import named_modules
+from ..model_names import named_modules
 
 if TYPE_CHECKING:
     from .planner import PlannerResult
@@ -217,7 +217,7 @@ def plan_mixed_precision(analysis: Analysis, capture, perf, candidates_formats: 
 
     Its per-module candidates are the 16-bit formats. TF32 is not one: it is a pair of global switches (cuBLAS,
     cuDNN) rather than a per-module autocast dtype, so a measured TF32 pass enters the plan as the "uniform tf32"
-    candidate of select.py and as the policy's TF32 switches (policy/build.py; docs/plan.md, "TF32").
+    candidate of select.py and as the policy's TF32 switches (planning/build_policy.py; docs/plan.md, "TF32").
     """
     from .planner import FORMAT_PREFERENCE, plan_formats
 

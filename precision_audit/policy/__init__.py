@@ -1,8 +1,11 @@
 """The precision policy format (policy.json, schema ``precision-audit/policy`` version 1; docs/policy.md).
 
 Imports nothing from the audit machinery: a training script that loads a policy pulls in torch and this.
+The model-naming helpers it re-exports (``named_modules``, ``unwrap_model``, ``fingerprint``, ``model_layout``) live
+in precision_audit/model_names.py.
 """
 
+from ..model_names import fingerprint, model_layout, named_modules, unwrap_model
 from .io import dumps_policy, load_policy, parse_policy, save_policy
 from .schema import (
     POLICY_FORMATS,
@@ -13,10 +16,6 @@ from .schema import (
     LossScaling,
     ModuleOverride,
     Policy,
-    fingerprint,
-    model_layout,
-    named_modules,
-    unwrap_model,
 )
 
 __all__ = [

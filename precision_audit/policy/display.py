@@ -12,11 +12,45 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .schema import Policy
+
+class _Override(Protocol):
+    @property
+    def format(self) -> str: ...
+    @property
+    def reason(self) -> str: ...
+
+
+class _Scaling(Protocol):
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def init_scale(self) -> float: ...
+
+
+class Policy(Protocol):
+    """What this module reads of a :class:`~precision_audit.policy.schema.Policy` (declared here, so that
+    schema.py, which calls this module, is not imported back)."""
+
+    @property
+    def model_class(self) -> str: ...
+    @property
+    def target_name(self) -> str: ...
+    @property
+    def default_format(self) -> str: ...
+    @property
+    def modules(self) -> Mapping[str, _Override]: ...
+    @property
+    def loss_scaling(self) -> _Scaling: ...
+    @property
+    def tf32_matmul(self) -> bool: ...
+    @property
+    def tf32_cudnn(self) -> bool: ...
+    @property
+    def extra(self) -> Mapping[str, Any]: ...
 
 #: Overrides named in the repr, and rows in the HTML table, before "and N more".
 REPR_NAMES = 3

@@ -13,32 +13,27 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
+from .. import strict_json
 from ..errors import OutputError, PolicyError
+from ..strict_json import NotStrictJSON
 from .schema import Policy
 
 POLICY_FILE = "policy.json"
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in d:
-            raise PolicyError(f"policy has the key {k!r} twice in one object",
-                              hint="keep one of them; JSON readers disagree on which one wins")
-        d[k] = v
-    return d
-
-
-def _reject_constant(name: str) -> float:
-    raise PolicyError(f"policy contains {name}, which is not JSON", hint="write a finite number")
+def _not_strict(e: NotStrictJSON, source: str) -> PolicyError:
+    if e.kind == "duplicate":
+        return PolicyError(f"{source}: policy has the key {e.value!r} twice in one object",
+                           hint="keep one of them; JSON readers disagree on which one wins")
+    return PolicyError(f"{source}: policy contains {e.value}, which is not JSON", hint="write a finite number")
 
 
 def parse_policy(text: str, source: str = "policy") -> Policy:
     """Parse and validate policy JSON text; errors name the line and column, or the field."""
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+        # finite_floats=False: a number beyond a float reads as inf, which Policy.from_dict refuses naming the field
+        doc = strict_json.loads(text, finite_floats=False)
     except json.JSONDecodeError as e:
         raise PolicyError(f"{source} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}",
                           hint="fix the JSON syntax there, or regenerate the policy with precision-audit") from None
@@ -47,8 +42,8 @@ def parse_policy(text: str, source: str = "policy") -> Policy:
     except ValueError as e:  # an integer literal of more than 4300 digits (sys.get_int_max_str_digits())
         raise PolicyError(f"{source} holds an integer literal too long to read",
                           found=str(e).split(":")[-1].split(";")[0].strip()[:80]) from None
-    except PolicyError as e:
-        raise PolicyError(f"{source}: {e.problem}", hint=e.hint) from None
+    except NotStrictJSON as e:
+        raise _not_strict(e, source) from None
     return Policy.from_dict(doc)
 
 

@@ -3,7 +3,7 @@ becomes JSON and JSON becomes the record again.
 
 :func:`to_json` writes an :class:`~precision_audit.record.AuditRecord` as audit.json's content; :func:`from_json`
 validates a parsed audit.json against ``precision_audit/schemas/audit.schema.json`` (through
-:func:`precision_audit.cli.report.check_audit`: the message names the field) and reads it back. Floats that are
+:func:`check_audit`: the message names the field) and reads it back. Floats that are
 not finite (an overflowed error metric, say) are written as ``null``; the neighbouring ``nonfinite`` counts say
 why. docs/record.md lists the record's types.
 
@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any, TypeVar, Union, cast
 
 from .. import record as R
+from .. import strict_json
 from ..errors import AuditError
+from ..strict_json import NotStrictJSON
 
 AUDIT_SCHEMA_ID = "precision-audit/audit"
 AUDIT_VERSION = 1
@@ -267,27 +269,14 @@ def _field(path: Any) -> str:
     return out or "(document)"
 
 
-def _reject_constant(name: str) -> Any:
-    raise ReportInputError(f"it holds {name}, which is not JSON",
-                           hint="audit.json writes a non-finite value as null; " + _FIX)
-
-
-def _parse_float(text: str) -> float:
-    x = float(text)
-    if not math.isfinite(x):  # 1e400: Python's json would read it as inf
-        raise ReportInputError(f"it holds the number {text[:40]}, beyond the range of a float (about 1.8e308)",
-                               hint=_FIX)
-    return x
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    d: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in d:
-            raise ReportInputError(f"it has the key {_short(k)} twice in one object",
-                                   hint="keep one of them; JSON readers disagree on which one wins")
-        d[k] = v
-    return d
+def _not_strict(e: NotStrictJSON) -> tuple[str, str]:
+    """The problem, and its hint, of a file precision_audit/strict_json.py refused."""
+    if e.kind == "duplicate":
+        return (f"it has the key {_short(e.value)} twice in one object",
+                "keep one of them; JSON readers disagree on which one wins")
+    if e.kind == "constant":
+        return f"it holds {e.value}, which is not JSON", "audit.json writes a non-finite value as null; " + _FIX
+    return f"it holds the number {e.value[:40]}, beyond the range of a float (about 1.8e308)", _FIX
 
 
 #: Deeper nesting than this is refused (an audit is about 8 deep; the report renders unknown fields recursively).
@@ -327,13 +316,13 @@ def _read_json(path: Path, what: str) -> Any:
         raise ReportInputError(f"{what} {path} is not UTF-8 text",
                                found=f"byte {e.start}: {raw[e.start:e.start + 1]!r}", hint=_FIX) from None
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float,
-                          object_pairs_hook=_no_duplicates)
+        return strict_json.loads(text)
     except json.JSONDecodeError as e:
         raise ReportInputError(f"{what} {path} is not JSON", found=f"line {e.lineno}, column {e.colno}: {e.msg}",
                                hint=_FIX) from None
-    except ReportInputError as e:
-        raise ReportInputError(f"{what} {path} is not valid: {e.problem}", hint=e.hint) from None
+    except NotStrictJSON as e:
+        problem, hint = _not_strict(e)
+        raise ReportInputError(f"{what} {path} is not valid: {problem}", hint=hint) from None
     except RecursionError:
         raise ReportInputError(f"{what} {path} is nested too deeply to be an audit", hint=_FIX) from None
     except ValueError as e:  # an integer literal of more than 4300 digits (sys.get_int_max_str_digits())

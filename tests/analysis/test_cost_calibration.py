@@ -113,7 +113,7 @@ def test_the_loss_outside_every_module_is_part_of_the_estimated_step(fake_cuda_f
 
 @pytest.fixture
 def fake_cuda_free_session():
-    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.capture import CaptureConfig, CaptureSession
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 1000))

@@ -135,7 +135,7 @@ def test_an_fp32_module_feeding_an_fp16_module_still_constrains_it(tmp_path):
 
 def test_parameter_gradients_of_modules_without_a_gemm_are_fp32():
     """An embedding's and a norm's weight gradients are FP32 under autocast: they do not constrain the scale."""
-    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.capture import CaptureConfig, CaptureSession
 
     class Net(torch.nn.Module):
         def __init__(self):
@@ -231,8 +231,8 @@ def test_the_policy_takes_the_scale_of_the_plan(tmp_path):
     """policy.json's loss_scaling.init_scale is re-derived for the plan: 'big' in FP32 leaves 2^19, not 2^11."""
     from precision_audit.audit import _policy
     from precision_audit.gpus import resolve_target
+    from precision_audit.model_names import fingerprint
     from precision_audit.planning.rules import Plan
-    from precision_audit.policy.schema import fingerprint
 
     c = _audit(tmp_path, with_big=True)
     keep = LayerPlan(Format.FP32, "kept in fp32")

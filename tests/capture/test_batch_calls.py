@@ -15,14 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from precision_audit.capture import runner
+from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.capture.noise import measure_noise_floor
 from precision_audit.capture.reference_pass import batch_call_note
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 
 FORMATS = (Format.FP16, Format.BF16)
-_RERUN = runner.CaptureSession._rerun_once  # the real one (each capture below puts its own spy over it)
+_RERUN = CaptureSession._rerun_once  # the real one (each capture below puts its own spy over it)
 
 
 class Body(nn.Module):
@@ -62,8 +61,8 @@ def _capture(model, forward, loss_of, batch_calls: bool, monkeypatch):
         reruns.append(self._names[id(m)])
         return _RERUN(self, m, fmt, *a, **k)
 
-    monkeypatch.setattr(runner.CaptureSession, "_rerun_once", spy)
-    monkeypatch.setattr(runner.CaptureSession, "_batch_calls", batch_calls)
+    monkeypatch.setattr(CaptureSession, "_rerun_once", spy)
+    monkeypatch.setattr(CaptureSession, "_batch_calls", batch_calls)
     with CaptureSession(model, forward, loss_of, CaptureConfig(FORMATS)) as s:
         s.reference_run()
         for f in FORMATS:
@@ -171,7 +170,7 @@ class PooledIn3d(nn.Module):
 def test_the_fp32_fallback_retry_keeps_the_re_runs_impacts_and_measures_the_batch_calls_again(monkeypatch):
     torch.manual_seed(0)
     model, x = PooledIn3d(), torch.randn(8, 8)
-    monkeypatch.setattr(runner.CaptureSession, "_batch_calls", True)
+    monkeypatch.setattr(CaptureSession, "_batch_calls", True)
     with CaptureSession(model, lambda m: m(x), lambda y: y.float().pow(2).mean(),
                         CaptureConfig((Format.FP16,))) as s:
         s.reference_run()

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from precision_audit.audit import AuditOptions, resolve_steps
-from precision_audit.capture import runner
-from precision_audit.capture.runner import CONTAINER_NOTE, CaptureConfig, CaptureSession
+from precision_audit.capture import CONTAINER_NOTE, CaptureConfig, CaptureSession
 from precision_audit.cli import _audit_parser
 from precision_audit.formats import Format
 
@@ -56,13 +55,13 @@ class Net(nn.Module):
 
 def capture(monkeypatch):
     reruns: list[str] = []
-    real = runner.CaptureSession._rerun_once
+    real = CaptureSession._rerun_once
 
     def spy(self, m, fmt, *a, **k):
         reruns.append(self._names[id(m)])
         return real(self, m, fmt, *a, **k)
 
-    monkeypatch.setattr(runner.CaptureSession, "_rerun_once", spy)
+    monkeypatch.setattr(CaptureSession, "_rerun_once", spy)
     torch.manual_seed(0)
     model, x = Net(), torch.randn(8, 16)
     with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(),

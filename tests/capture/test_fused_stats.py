@@ -1,5 +1,5 @@
-"""The fused statistics (capture/stats.py, ``range_stats`` / ``error_sums`` in capture/_emulation_kernels.cpp) and
-the automatic build that makes them the default (capture/compiled.py).
+"""The fused statistics (capture/stats.py, ``range_stats`` / ``error_sums`` in emulation/_emulation_kernels.cpp) and
+the automatic build that makes them the default (emulation/compiled.py).
 
 The fused pass must change nothing: bucket counts, zeros, NaNs, infs and amax equal to a brute-force count and to
 the Python path, error sums within summation-order rounding of them, the brute-force tests of
@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(_Path(__file__).resolve().parents[1] / "e2e"))  # the golden comparison
 import test_stats  # noqa: E402
 from conftest import ROOT, SAMPLES
-from precision_audit.capture import compiled, stats
+from precision_audit.capture import stats
 from precision_audit.capture.stats import ErrorStats, MagnitudeHistogram, RangeSummary, python_statistics
+from precision_audit.emulation import compiled
 from test_golden_audit import check_against_stored, read_as_stored
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -261,7 +262,7 @@ def test_audits_with_fused_statistics_equal_the_stored_ones(fused, tmp_path, nam
     check_against_stored(name, new, same_kernels)
 
 
-# -- the automatic build (capture/compiled.py) ----------------------------------------------------------------
+# -- the automatic build (emulation/compiled.py) ----------------------------------------------------------------
 
 
 def test_auto_without_a_compiler_is_one_line_and_python(tmp_path, monkeypatch, caplog):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from precision_audit.analysis.cost import gemm_time
-from precision_audit.capture.autocast_policy import CUDA_POLICY
 from precision_audit.capture.ops import GEMM_REGISTRY, GemmOp
+from precision_audit.emulation.autocast_policy import CUDA_POLICY
 from precision_audit.formats import Format
 from precision_audit.gpus import resolve_target
 

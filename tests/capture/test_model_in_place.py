@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from precision_audit.audit import AuditOptions, compute_audit
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
+from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.errors import ModelRunError
 from precision_audit.formats import Format
 
@@ -302,7 +302,7 @@ def test_a_model_moved_to_the_audits_device_gets_its_own_tensors_back():
     """The device-move path (a CPU model audited on another device), exercised with the meta device: every
     parameter's original ``.data`` and every original buffer object come back, storage and all, and the grads
     stay the user's tensors on the user's device."""
-    from precision_audit.capture.runner import ModelState
+    from precision_audit.capture import ModelState
 
     model, x, _ = make_model()
     extra = nn.Linear(2, 2)  # made before the picture: building it draws from the RNG (the session forks that)

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from fakecuda import FakeCuda
+from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.capture.noise import measure_noise_floor, plan_forward
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
-from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
+from precision_audit.model_names import fingerprint, model_layout
+from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy
 
 
 class Dropped(nn.Module):

@@ -69,9 +69,9 @@ def test_second_order_impacts_equal_the_full_repeat_and_skip_the_tracker(sample,
     trackers = []
     real = op_tracker.OpTracker.__init__
 
-    def counting(self, session):
-        trackers.append(session._impacts_only)
-        real(self, session)
+    def counting(self, calls, model):
+        trackers.append(calls)
+        real(self, calls, model)
 
     monkeypatch.setattr(op_tracker.OpTracker, "__init__", counting)
     with CaptureSession(subject.model, run.forward, run.loss_of, config) as s:
@@ -79,12 +79,12 @@ def test_second_order_impacts_equal_the_full_repeat_and_skip_the_tracker(sample,
         first = {r.name: (r.activation.counts.tolist(), r.calls) for r in s.layers.values()}
         lean, note = second_order_impacts(s, 2)
         assert note is None and lean
-        assert trackers == [False]  # the first pass's tracker only: the repeat reads its counts
+        assert len(trackers) == 1  # the first pass's tracker only: the repeat reads its counts
         assert {r.name: (r.activation.counts.tolist(), r.calls) for r in s.layers.values()} == first
         s.__class__ = _Before
         full, _ = second_order_impacts(s, 2)
         s.__class__ = CaptureSession
-    assert trackers == [False, False]
+    assert len(trackers) == 2
     assert lean == full  # exactly: same impacts per module and format, the same modules measured
     assert any(v is not None and v > 0 for per in lean.values() for v in per.values())
 

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from fakecuda import FakeCuda
-from precision_audit.capture import reference_store
+from precision_audit.capture import CaptureConfig, CaptureSession, reference_store
 from precision_audit.capture.reference_store import ReferenceStore
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 
 

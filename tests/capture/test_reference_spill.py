@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 import precision_audit
-from precision_audit.capture import reference_store
+from precision_audit.capture import CaptureConfig, CaptureSession, reference_store
 from precision_audit.capture.reference_store import ReferenceStore, Spilled
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 from test_reference_offload import InPlace, layer_figures  # outputs written over in place after they are seen
 

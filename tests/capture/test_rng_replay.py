@@ -12,8 +12,8 @@ from torch.overrides import TorchFunctionMode
 
 import precision_audit as pa
 from fakecuda import FakeCuda
+from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.capture.rng_replay import RandomDraws, recording, replaying
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 
 # A fused attention kernel's dropout, as the memory-efficient kernel draws it: each element's mask from its position

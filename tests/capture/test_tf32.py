@@ -11,11 +11,11 @@ import torch
 
 from fakecuda import fake_cuda  # noqa: F401 - the fixture
 from precision_audit.analysis.findings import Budget, FormatSummary
-from precision_audit.capture.gemm_mode import Tf32GemmMode, round_to_tf32
+from precision_audit.emulation.gemm_mode import Tf32GemmMode, round_to_tf32
 from precision_audit.formats import SPECS, Format
 from precision_audit.gpus import resolve_target
+from precision_audit.planning.build_policy import tf32_decision
 from precision_audit.planning.rules import LayerPlan, Plan
-from precision_audit.policy.build import tf32_decision
 
 # --- the rounding, against a model written in exact float64 arithmetic (no bit tricks) ----------------------------
 
@@ -285,7 +285,7 @@ def test_tf32_switches_follow_the_measurement_not_the_target():
 @pytest.mark.filterwarnings("ignore:Full backward hook")
 @pytest.mark.parametrize("user", ["default", "legacy-medium", "new-conv-ieee"])
 def test_the_cuda_tf32_pass_runs_forward_and_backward_with_both_switches_on_and_restores_the_users(user, fake_cuda):
-    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.capture import CaptureConfig, CaptureSession
     from precision_audit.tf32_switches import restore, snapshot, tf32_enabled
 
     saved = snapshot()
@@ -318,7 +318,7 @@ def test_cuda_bf16_passes_and_local_reruns_run_under_the_same_tf32_switches(user
     """Issue 31 item 7: a local re-run in BF16 ran inside the FP32 reference (TF32 off) while the whole BF16 pass ran
     under the user's switches (here on): what autocast leaves in fp32 was computed two ways. Both strict now, as
     the emulation computes them, forward and backward, with the user's settings back after."""
-    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.capture import CaptureConfig, CaptureSession
     from precision_audit.tf32_switches import restore, snapshot, tf32_enabled
 
     saved = snapshot()

@@ -12,7 +12,7 @@ from torch import nn
 
 import precision_audit
 from fakecuda import fake_cuda  # noqa: F401 - the fixture
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
+from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 
 

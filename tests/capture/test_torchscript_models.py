@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
+from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 
 ROOT = Path(__file__).resolve().parents[2]

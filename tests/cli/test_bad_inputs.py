@@ -166,7 +166,8 @@ POLICY_TEXT_BROKEN = '{\n  "schema": "precision-audit/policy"\n  "version": 1\n}
 def good_policy_dict() -> dict:
     """A valid policy for the MLP sample (the one the good audit writes)."""
     from precision_audit.loading import load_model
-    from precision_audit.policy.schema import LossScaling, Policy, fingerprint
+    from precision_audit.model_names import fingerprint
+    from precision_audit.policy.schema import LossScaling, Policy
 
     model, _ = load_model(MLP)
     fp, n = fingerprint(model)
@@ -209,7 +210,7 @@ def policy_for_another_model(d: Path) -> Callable[[], Any]:
 
 def claim_cuda(mp: pytest.MonkeyPatch) -> None:
     """Make the audit believe a GPU is present (to reach the --emulate/--device cuda check on any machine)."""
-    import precision_audit.options as options_module  # set_up's (precision_audit/options.py)
+    import precision_audit.run_setup as options_module  # set_up's (precision_audit/run_setup.py)
 
     real = options_module.detect
     mp.setattr(options_module, "detect", lambda: dataclasses.replace(real(), cuda_available=True))

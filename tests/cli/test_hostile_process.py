@@ -594,7 +594,7 @@ INTERRUPTS = [
     Interrupt("at-progress-line-analysing", "old", line="analysing", slow=True),
     Interrupt("inside-the-model-forward", "old", model=IN_FORWARD, slow=True),
     Interrupt("again-while-the-model-is-put-back", "old",
-              _wrap("precision_audit.capture.runner:CaptureSession", "__exit__", times=2), model=IN_FORWARD),
+              _wrap("precision_audit.capture:CaptureSession", "__exit__", times=2), model=IN_FORWARD),
     Interrupt("again-after-the-interrupted-line", "old", AFTER_INTERRUPTED_LINE + _import_hook("torch")),
     Interrupt("again-after-the-interrupted-line-from-the-model", "old", AFTER_INTERRUPTED_LINE, model=IN_FORWARD,
               slow=True),

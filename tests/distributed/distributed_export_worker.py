@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_runtime_worker import Net, full_params  # noqa: E402
 
-from precision_audit.capture.emulation import CudaAutocastPolicy  # noqa: E402
+from precision_audit.emulation.autocast import CudaAutocastPolicy  # noqa: E402
 
 STEPS = 4
 INJECTED = 2

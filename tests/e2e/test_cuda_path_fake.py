@@ -17,9 +17,10 @@ from torch import nn
 import precision_audit as pa
 from conftest import SAMPLES
 from fakecuda import FakeCuda, fake_cuda  # noqa: F401 - the fixture
-from precision_audit.capture.runner import CaptureConfig, CaptureSession
+from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
-from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
+from precision_audit.model_names import fingerprint, model_layout
+from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy
 from precision_audit.tf32_switches import restore, snapshot, tf32_enabled, tf32_switches
 
 # -- helpers ----------------------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ def check_against_stored(name: str, new: dict, adjust=None) -> None:
 def _as_this_torch(stored: dict) -> None:
     """The stored files were made on torch 2.13. On an older torch one field must differ: the table ops its CUDA
     autocast does not register, which the emulation leaves alone (rms_norm before 2.13; an empty list on 2.13,
-    which tests/capture/test_emulation.py checks)."""
-    from precision_audit.capture.autocast_policy import check_registrations
+    which tests/emulation/test_emulation.py checks)."""
+    from precision_audit.emulation.autocast_policy import check_registrations
 
     emulation = stored.get("emulation")
     if isinstance(emulation, dict) and "table_ops_not_registered" in emulation:

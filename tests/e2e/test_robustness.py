@@ -28,8 +28,9 @@ from conftest import layer
 from models import HEADER
 from precision_audit.audit import AuditOptions, run_audit
 from precision_audit.errors import PolicyError
+from precision_audit.model_names import fingerprint, model_layout
 from precision_audit.policy.io import load_policy, parse_policy
-from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout
+from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy
 
 # ---------------------------------------------------------------------------------------------------------------
 # the policy loader

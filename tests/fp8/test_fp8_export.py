@@ -17,9 +17,9 @@ import torch.nn as nn
 from precision_audit.cli.export import export_main
 from precision_audit.export import EXPORT_TARGETS, export_policy
 from precision_audit.fp8.export import TORCHTITAN_RECIPES, substring_clashes
+from precision_audit.model_names import layout_fingerprint
 from precision_audit.policy import LossScaling, Policy, fingerprint, model_layout
 from precision_audit.policy.io import dumps_policy
-from precision_audit.policy.schema import _layout_fingerprint
 
 HOSTILE = 'x"\n]\nimport os #\x7f\u00e9\U0001F600\\'
 
@@ -132,7 +132,7 @@ def test_a_hundred_thousand_fp8_modules_export_in_seconds():
     layout = {"": "Net[]", **{f"layers.{i}.wq": "Linear[weight:32x32]" for i in range(100_000)}}
     fp8 = {f"layers.{i}.wq": {"recipe": "fp8_rowwise" if i % 2 else "fp8_tensorwise", "reason": "r"}
            for i in range(100_000)}
-    policy = Policy(model_class="Net", model_fingerprint=_layout_fingerprint(layout), model_modules=len(layout),
+    policy = Policy(model_class="Net", model_fingerprint=layout_fingerprint(layout), model_modules=len(layout),
                     target_name="H100 SXM", target_compute_capability=(9, 0), default_format="bf16", modules={},
                     loss_scaling=LossScaling(), model_layout=layout, extra={"fp8": {"modules": fp8}})
     t0 = time.perf_counter()

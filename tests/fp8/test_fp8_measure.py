@@ -114,8 +114,8 @@ def test_planted_mxfp8_and_bf16_fine_for_outlier_channels(planted):
     assert ch["meets_budget"] and ch["local"]["output"]["rel_l2"] < 0.05
     assert ch["operands"]["output.input"]["saturated_share"] == 0.0
     # BF16, as the audit's emulated CUDA autocast computes it, on the same inputs
-    from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast
     from precision_audit.capture.stats import ErrorStats
+    from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast
     with torch.no_grad():
         h = model.tokens(x)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * model.gain

@@ -1,6 +1,6 @@
 """The GPU the audit runs on (issue 31 item 7): the model's own CUDA device, else the current one, is where the passes
 run, whose name the report gives and which the default target is; a model on cuda:1 is not moved to cuda:0
-(capture/model_state.py, options.py ``set_up``; docs/gpu.md, "Devices")."""
+(capture/model_state.py, run_setup.py ``set_up``; docs/gpu.md, "Devices")."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def test_a_model_on_cuda_1_is_audited_there_not_moved_to_the_current_device():
     """On main the session compared the model's device with torch.device("cuda") (no index), found cuda:1 different,
     and moved the model to the current device; the audit now runs on cuda:1, and nothing moves."""
     from precision_audit.capture.model_state import model_cuda_index
-    from precision_audit.options import AuditOptions, set_up
+    from precision_audit.options import AuditOptions
+    from precision_audit.run_setup import set_up
 
     model = nn.Linear(4, 4)
     model.weight = nn.Parameter(_OnCuda1(torch.randn(4, 4)))

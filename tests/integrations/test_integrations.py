@@ -171,8 +171,8 @@ def test_hf_callback_applies_the_policy(tmp_path):
 
 def test_training_policy_keeps_overrides_and_puts_the_default_on_the_rest():
     """A plan override (fp32) inside a bf16 default: the override module runs fp32, its siblings bf16."""
+    from precision_audit.model_names import fingerprint, model_layout
     from precision_audit.policy import LossScaling, Policy
-    from precision_audit.policy.schema import fingerprint, model_layout
 
     model = _gpt2()
     fp, n = fingerprint(model)

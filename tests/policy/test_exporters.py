@@ -225,9 +225,9 @@ _DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, 
 
 def _policy_step(model, children, x, y, enter) -> tuple[float, dict[str, torch.dtype]]:
     """One forward and backward of fp16_trouble under CUDA's autocast op policy (emulated on the CPU:
-    capture/emulation.py) and ``enter()``'s context; returns the loss and the output dtype of each of ``children``
+    emulation/autocast.py) and ``enter()``'s context; returns the loss and the output dtype of each of ``children``
     (its top-level modules, taken before any FSDP wrapper renamed them)."""
-    from precision_audit.capture.emulation import CudaAutocastPolicy
+    from precision_audit.emulation.autocast import CudaAutocastPolicy
 
     seen: dict[str, torch.dtype] = {}
     hooks = [m.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o.dtype))

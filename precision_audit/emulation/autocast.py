@@ -7,7 +7,7 @@ Two pieces, used together:
   softmax, sum, exp, ... go to fp32; mv/addmv/addr/einsum go to the low-precision dtype; CPU-only policies
   are removed). The registrations live in a ``torch.library.Library`` that is destroyed on exit, which
   restores torch's own CPU kernels.
-- :class:`LowPrecisionGemmMode` (capture/gemm_mode.py), a ``TorchDispatchMode`` below autograd: GEMM-family
+- :class:`LowPrecisionGemmMode` (emulation/gemm_mode.py), a ``TorchDispatchMode`` below autograd: GEMM-family
   ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose inputs are all fp16 or all bf16
   are computed in fp32 and rounded to that dtype, which is what Tensor Cores do (low-precision inputs, fp32
   accumulation, rounded output) and ~100x faster than CPU-native low-precision GEMMs. Other ops run
@@ -261,7 +261,7 @@ class CudaAutocastPolicy:
         if kernels not in ("python", "compiled"):
             raise ValueError(f"kernels must be 'python' or 'compiled', not {kernels!r}")
         if kernels == "compiled" and not compiled.is_loaded():
-            raise RuntimeError("the compiled kernels are not loaded (precision_audit.capture.compiled.load())")
+            raise RuntimeError("the compiled kernels are not loaded (precision_audit.emulation.compiled.load())")
         self.kernels = kernels
         self._lib: torch.library.Library | None = None
         self._compiled_on = False

@@ -1,4 +1,4 @@
-// Compiled AutocastCPU kernels for the emulation (precision_audit/capture/compiled.py builds and loads this).
+// Compiled AutocastCPU kernels for the emulation (precision_audit/emulation/compiled.py builds and loads this).
 //
 // They do exactly what the Python kernels in emulation.py do for three policies, op for op, so the results
 // are bit-identical (tests/capture/test_compiled_kernels.py checks it, forward and backward):

@@ -1,8 +1,9 @@
 """The policy an audit writes (policy.json), from its plan: per-module formats, loss scaling, TF32 switches (set
 from the TF32 pass's measurement, with a reason).
 
-Not imported by ``precision_audit.policy`` itself (a training script that loads a policy does not pull in the
-audit's planning); audit.py and the plan's verification (planning/verified.py) call :func:`build_policy`.
+It lives with the stage that builds the policy (planning/), so that the policy package stays data that knows no
+planner or analysis type (docs/architecture.md); audit.py and the plan's verification (planning/verified.py) call
+:func:`build_policy`.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import __version__
 from ..formats import Format
 from ..gpus import GpuSpec
-from .schema import LossScaling, ModuleOverride, Policy, model_layout
+from ..model_names import model_layout
+from ..policy.schema import LossScaling, ModuleOverride, Policy
+from ..version import __version__
 
 if TYPE_CHECKING:
     from ..analysis.findings import FormatSummary
-    from ..planning.rules import Plan
+    from .rules import Plan
 
 #: GradScaler's own initial scale (2**16), used when the audit found no FP16 gradients to derive one from.
 DEFAULT_INIT_SCALE = 65536.0

@@ -1,6 +1,6 @@
 """The emulation against brute-force models of the CUDA kernels that do not round once (docs/emulation.md).
 
-Each model here is written from the CUDA kernel's source, independently of capture/cuda_kernels.py: element by
+Each model here is written from the CUDA kernel's source, independently of emulation/cuda_kernels.py: element by
 element in Python floats, every fp32 operation rounded to fp32 (``f32``) and every store to fp16/bf16 rounded to
 that format (``lo``). The inputs lie on a grid (multiples of 1/64, |x| <= 1: exact in fp16 and bf16, products
 of 14 bits that fp16 must round) so that every GEMM sum is exact in fp32 whatever its order: the only
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precision_audit.capture.emulation import CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
+from precision_audit.emulation.autocast import CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
 
 FP16, BF16 = torch.float16, torch.bfloat16
 DTYPES = [pytest.param(FP16, id="fp16"), pytest.param(BF16, id="bf16")]

@@ -1,4 +1,4 @@
-"""The compiled (C++) emulation kernels (capture/compiled.py, capture/_emulation_kernels.cpp).
+"""The compiled (C++) emulation kernels (emulation/compiled.py, emulation/_emulation_kernels.cpp).
 
 They must be a pure speed-up: for every op of the autocast table, the compiled kernels give the same values
 (bit for bit, NaNs included), the same dtypes and the same gradients as the Python kernels, and whole audits
@@ -23,11 +23,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precision_audit.capture import compiled, emulation, rounding
-from precision_audit.capture.autocast_policy import CastPolicy
-from precision_audit.capture.emulation import CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
 from precision_audit.capture.memory import SavedTensorCounter
 from precision_audit.capture.stats import python_statistics
+from precision_audit.emulation import autocast as emulation
+from precision_audit.emulation import compiled, rounding
+from precision_audit.emulation.autocast import CudaAutocastPolicy, LowPrecisionGemmMode, emulated_autocast
+from precision_audit.emulation.autocast_policy import CastPolicy
 from precision_audit.errors import AuditError
 from test_emulation import CASES, Inputs, _dtypes_for  # the op recipes of the dtype-policy tests
 

@@ -1,4 +1,4 @@
-"""Emulated CUDA autocast on CPU (capture/emulation.py; DESIGN §3, NUMERICS §1-3).
+"""Emulated CUDA autocast on CPU (emulation/autocast.py; DESIGN §3, NUMERICS §1-3).
 
 1. Faithfulness per op: under ``CudaAutocastPolicy()`` + ``emulated_autocast(dt)``, each op's value equals the op
    computed in the real low-precision format with fp32 accumulation (a float64 brute force on the rounded
@@ -15,7 +15,7 @@
 Known disagreements with CUDA are strict xfails (the reason says what CUDA does): nn.LSTM/nn.GRU, which CUDA
 lowers through cuDNN's own autocast wrapper (listed in emulation.KNOWN_GAPS).
 
-Run as a script (``python tests/capture/test_emulation.py --oracle``) this file is the oracle's subprocess.
+Run as a script (``python tests/emulation/test_emulation.py --oracle``) this file is the oracle's subprocess.
 """
 
 from __future__ import annotations
@@ -35,21 +35,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precision_audit.capture import emulation
-from precision_audit.capture.autocast_policy import (
+from precision_audit.emulation import autocast as emulation
+from precision_audit.emulation.autocast import (
+    FP32_COMPUTE_OPS,
+    CudaAutocastPolicy,
+    LowPrecisionGemmMode,
+    _resolve,
+    emulated_autocast,
+)
+from precision_audit.emulation.autocast_policy import (
     CUDA_POLICY,
     UNMODELLED,
     CastPolicy,
     check_registrations,
     installed_policy,
     registered_cuda_autocast_ops,
-)
-from precision_audit.capture.emulation import (
-    FP32_COMPUTE_OPS,
-    CudaAutocastPolicy,
-    LowPrecisionGemmMode,
-    _resolve,
-    emulated_autocast,
 )
 
 F32 = torch.float32
@@ -679,7 +679,7 @@ EXTRA_CASES = [
     Case("linear[other-low] (cast to the autocast dtype)", lambda I: F.linear(I.x(3, 4), I.x(5, 4)), ("other",),
          "low", ("linear",)),
     # where CUDA adds the bias in a second kernel, or not (emulation._without_bias;
-    # tests/capture/test_cuda_kernel_models.py)
+    # tests/emulation/test_cuda_kernel_models.py)
     Case("linear[non-contiguous 3-D input, bias]", lambda I: F.linear(I.x(3, 2, 4).transpose(0, 1), I.x(5, 4),
                                                                       I.x(5)), ("fp32",), "low", ("linear",)),
     Case("linear[4-D input, 2-D bias]", lambda I: F.linear(I.x(2, 2, 3, 4), I.x(5, 4), I.x(1, 5)), ("fp32",), "low",

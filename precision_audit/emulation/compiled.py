@@ -3,7 +3,7 @@
 The emulation's AutocastCPU kernels are Python functions (emulation.py). Each call costs a round trip from the
 dispatcher into Python, about 20-40 us on a small CPU, which dominates the emulated step of a small model. The
 same kernels for the three busiest policies (the GEMM family, fp32 and fp32-with-dtype) are written in C++ in
-``_emulation_kernels.cpp``; they are bit-identical to the Python ones (tests/capture/test_compiled_kernels.py).
+``_emulation_kernels.cpp``; they are bit-identical to the Python ones (tests/emulation/test_compiled_kernels.py).
 
 The same library holds the fused statistics (``range_stats``, ``error_sums``: capture/stats.py), which read each
 tensor once.
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import AuditError
+from ..options import KERNEL_CHOICES
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ SOURCE = Path(__file__).with_name("_emulation_kernels.cpp")
 # once where the Python path's float64 product and sum round twice).
 BUILD_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
 LIBRARY_NAME = "precision_audit_emu"
-KERNEL_CHOICES = ("auto", "python", "compiled")
 
 _loaded: Path | None = None
 

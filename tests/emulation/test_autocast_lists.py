@@ -10,7 +10,7 @@ against models of the CUDA kernels, with zero mismatches allowed:
   summation order; ``test_gemm_models_are_within_fp32_accumulation_of_float64`` checks they are within the fp32
   accumulation bound of a float64 brute force) and rounded once, plus each kernel's own extra roundings: cuDNN
   adding a convolution's bias in a second kernel, addr's elementwise arithmetic, addbmm's per-batch rounding,
-  the fused LSTM/GRU cell kernels (the element-by-element models of tests/capture/test_cuda_kernel_models.py),
+  the fused LSTM/GRU cell kernels (the element-by-element models of tests/emulation/test_cuda_kernel_models.py),
   conv_tbc's
   rounded add per kernel tap, the chained GEMMs of chain_matmul/multi_dot, vecdot's rounded products;
 - fp32 and promote ops: the op computed in fp32 (CUDA's fp32 kernels differ from the CPU's only in the last fp32
@@ -19,7 +19,7 @@ against models of the CUDA kernels, with zero mismatches allowed:
 
 Every entry whose op has a backward is also run backward: gradient dtypes as autocast leaves them, values within
 a few low-precision ulps of float64 autograd on the rounded inputs (the exact backward models are in
-tests/capture/test_cuda_kernel_models.py).
+tests/emulation/test_cuda_kernel_models.py).
 
 A torch upgrade that adds, removes or changes an entry changes what runs here: the set of ops is pinned below.
 """
@@ -39,8 +39,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from precision_audit.capture.autocast_policy import registered_cuda_autocast_ops
-from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast
+from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast
+from precision_audit.emulation.autocast_policy import registered_cuda_autocast_ops
 from test_cuda_kernel_models import addr_model, as_list, gru_model, lstm_model, tensor
 from test_emulation import ADDED_IN_2_13
 

@@ -71,6 +71,13 @@ def _drain_compiled() -> None:
         _ROUNDED[out.untyped_storage().data_ptr()] = _Rounded(out, itemsize, param)
 
 
+def drained_registry() -> dict[int, _Rounded] | None:
+    """The registry of rounded copies by storage address, with what the compiled kernels recorded moved in; None
+    when no registry is running (distributed/saved.py forgets the copies an FSDP unit has let go)."""
+    _drain_compiled()
+    return _ROUNDED
+
+
 def start_rounding_registry() -> dict[int, _Rounded]:
     global _ROUNDED
     _ROUNDED = {}

@@ -1,5 +1,5 @@
 """Tensor Core GEMM numerics below autograd: :class:`LowPrecisionGemmMode`, and the helpers it shares with the
-autocast kernels of capture/emulation.py (where CUDA adds a bias in a second rounding; an op's bound arguments).
+autocast kernels of emulation/autocast.py (where CUDA adds a bias in a second rounding; an op's bound arguments).
 
 GEMM-family ops (mm, addmm, bmm, convolution and their backward, CPU flash attention) whose floating inputs
 are all fp16 or all bf16 are computed in fp32 from the rounded values and rounded once, as Tensor Cores do

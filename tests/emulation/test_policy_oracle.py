@@ -1,7 +1,7 @@
 """The cast policy of every op in the emulation's table, observed from torch's real AutocastCUDA kernels.
 
 The start-up check (autocast_policy.check_registrations) compares op names only, and the fake-CUDA dtype oracle of
-tests/capture/test_emulation.py compares output dtypes, which cannot tell fp32 from fp32-with-dtype, and cannot run
+tests/emulation/test_emulation.py compares output dtypes, which cannot tell fp32 from fp32-with-dtype, and cannot run
 an op whose CUDA body fails on a CPU-only build. Here every table op is called on fake CUDA tensors with CUDA
 autocast on, and a probe kernel registered on the AutogradCUDA key (the first key below AutocastCUDA) records what
 the autocast kernel hands on (the op overload, the dtypes of its floating tensors, its ``dtype`` argument) and stops
@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from precision_audit.capture.autocast_policy import CUDA_POLICY, CastPolicy, installed_policy
+from precision_audit.emulation.autocast_policy import CUDA_POLICY, CastPolicy, installed_policy
 from test_emulation import RECIPES, Inputs
 
 FP16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -191,7 +191,7 @@ def test_the_probe_tells_policies_apart() -> None:
 @pytest.mark.parametrize("low", [pytest.param(FP16, id="fp16"), pytest.param(BF16, id="bf16")])
 def test_cuda_only_ops_run_under_the_emulation(name, low) -> None:
     """No CPU kernel exists for them, but the emulation computes them (docs/emulation.md), in the low dtype."""
-    from precision_audit.capture.emulation import CudaAutocastPolicy, emulated_autocast
+    from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast
 
     torch.manual_seed(0)
     with CudaAutocastPolicy(), emulated_autocast(low):
