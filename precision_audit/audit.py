@@ -230,8 +230,9 @@ class SubjectRun:
                 self._pristine[i] = (t, kept, t._version)
 
     def loss_of(self, out: Any) -> torch.Tensor:
-        if self.spec is None:
-            self.spec = resolve_loss(self.source, out, self.batch)
+        if self.spec is None:  # its trial call (a loss_fn's) builds no graph: the pass would count and hold it
+            with torch.no_grad():
+                self.spec = resolve_loss(self.source, out, self.batch)
         return self.spec(out, self.batch)
 
     def loss_facts(self) -> R.LossFacts | None:
