@@ -284,7 +284,7 @@ class NoiseFloor(Section):
     planner_impacts_wall_s: float | None
     # the second order only where it can change a decision (issue 33; planning/second_order.py): the margin, and
     # every decision weighed for it (absent in files written before)
-    margin: float | None = None
+    margins: dict[str, float] | None = None
     rechecks: list[Recheck] | None = None
 
     def over_budget(self, budget: dict[str, float]) -> list[str]:

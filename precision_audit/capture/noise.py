@@ -74,7 +74,7 @@ class NoiseFloor:
     # the decisions whose figures were weighed for a re-check at the second order, each with why it was or was not
     # re-checked (planning/second_order.py fills it: ``Recheck.to_dict``); the margin it used
     rechecks: list[dict[str, Any]] = field(default_factory=list)
-    margin: float | None = None
+    margins: dict[str, float] | None = None
 
     def rel_change(self, loss: float | None) -> float | None:
         """A loss measured at the second order, against the FP32 loss of that order."""
@@ -98,13 +98,13 @@ class NoiseFloor:
             "second_order": {f.value: {"loss": r.loss, "loss_rel_change": self.loss_rel_change(f),
                                        "output_rel_error": r.output_rel_error, "error": r.error}
                              for f, r in self.runs.items()},
-            "rule": RULE if self.margin is None else RULE_MARGIN.format(margin=self.margin),
+            "rule": RULE if self.margins is None else RULE_MARGIN,
             # The text is the same in every run of the same audit; the pass's wall time is a field of its own.
             "planner_impacts": ("each module's first-order loss impact measured at both orders (the reference pass "
                                 "repeated at the second); the planner takes the larger"
                                 if self.impacts is not None else self.impacts_note),
             "planner_impacts_wall_s": self.impacts_wall_s if self.impacts is not None else None,
-            "margin": self.margin,
+            "margins": dict(self.margins) if self.margins is not None else None,
             "rechecks": [dict(r) for r in self.rechecks],
         }
 
@@ -112,9 +112,10 @@ class NoiseFloor:
 RULE = ("a format is within budget only when both reduction orders measure it within budget; the plan's "
         "verification is held to the same rule")
 RULE_MARGIN = ("a decision rests on the upper end of what the two reduction orders measure; a figure is re-measured "
-               "at the second order only where that can change the decision: within {margin:g}x below its threshold "
-               "(above it, the decision is already 'over budget' whatever the other order gives; further below, no "
-               "reduction order moves it that far: docs/plan.md, \"Noise floor\")")
+               "at the second order only where that can change the decision: within its margin below its threshold "
+               "(above it, the decision is already 'over budget' whatever the other order gives; further below, the "
+               "other order cannot carry it over; a loss change is also judged by its first-order sum: "
+               "docs/plan.md, \"Noise floor\")")
 
 
 def second_threads(main: int) -> int:

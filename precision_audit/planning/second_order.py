@@ -3,13 +3,14 @@
 On a CPU the same FP32 model sums its GEMMs in another order at 1 and at 2 threads, and every figure moves with it.
 A decision (a format's verdict, the planner's choices, a plan's verification) rests on the upper end of what the two
 orders measure, so that an audit at 1 thread and one at 2 threads decide alike (issue 12). The FP32 noise floor (one
-FP32 forward at the second order) always runs; the rest is re-measured there only for the decisions whose figure at
-the audit's own order lies within :data:`MARGIN` below its threshold:
+FP32 forward at the second order) always runs; the rest is re-measured there only for the decisions whose figures at
+the audit's own order lie within a margin below their threshold (:data:`MARGINS`):
 
 - above the threshold the decision is already "over budget", whatever the other order gives (the upper end is at
   least this figure);
-- more than :data:`MARGIN` below it, no reduction order moves the figure that far (the largest move measured between
-  the orders on real models was 2.1x: docs/plan.md), so the upper end is within the threshold too.
+- further below it than the margin, the other order cannot carry the figure over it (docs/plan.md: an output error
+  moved by at most 1.4x between the orders on real models; a loss change, the difference of two scalars, can nearly
+  cancel at one order, so it is also judged by the sum of its modules' |first-order impacts|, which does not).
 
 :func:`decide` runs the analysis and the planner, re-checks what they need, and returns them with every decision
 weighed (:class:`Recheck`, audit.json's ``noise_floor.rechecks``); :func:`verification_rechecked` is the same rule
@@ -26,8 +27,17 @@ from typing import Any
 from ..analysis.findings import Analysis, Budget, analyse
 from ..formats import Format
 
-#: A figure at least this many times below its threshold is not re-measured at the second order (docs/plan.md).
-MARGIN = 4.0
+#: A figure (and a gauge of a loss change: the first-order sum) at least this many times below its threshold is not
+#: re-measured at the second order (docs/plan.md, "Noise floor", which says why these two).
+MARGINS = {"loss_rel_change": 10.0, "output_rel_error": 2.0}
+LOSS = "loss_rel_change"
+GAUGE = "first_order_sum_rel"  # the format's sum of |first-order loss impacts|, relative (plan.calibration)
+
+
+def margin(name: str) -> float:
+    """The margin of a figure: the output error's for an output error, the loss change's for anything derived from a
+    loss change."""
+    return MARGINS["output_rel_error"] if name == "output_rel_error" else MARGINS[LOSS]
 
 
 @dataclass
@@ -48,41 +58,52 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def near(value: float | None, threshold: float) -> bool:
+def near(value: float | None, threshold: float, name: str = LOSS) -> bool:
     """Within the margin below ``threshold`` (the other order could carry it over), and not above it."""
-    return value is not None and math.isfinite(value) and threshold / MARGIN < value <= threshold
+    return value is not None and math.isfinite(value) and threshold / margin(name) < value <= threshold
 
 
 def _over(value: float | None, threshold: float) -> bool:
     return value is None or not math.isfinite(value) or value > threshold
 
 
-def weigh(decision: str, figures: dict[str, tuple[float | None, float]], already: str | None = None) -> Recheck:
+def weigh(decision: str, figures: dict[str, tuple[float | None, float]], already: str | None = None,
+          gauges: dict[str, tuple[float | None, float]] | None = None) -> Recheck:
     """Whether the figures of one decision need the second order: any of them near its threshold while none is over
-    (``already``: the decision is taken on something the order does not move, e.g. a pass that raised)."""
+    (``already``: the decision is taken on something the order does not move, e.g. a pass that raised). A gauge
+    (``gauges``: a figure that bounds one of them at either order, e.g. a loss change's first-order sum) only asks
+    for the re-check: above its figure's margin below the threshold, or not known, the other order could reach
+    it."""
+    both = {**figures, **(gauges or {})}
     if already:
-        return Recheck(decision, figures, False, already)
+        return Recheck(decision, both, False, already)
     over = [k for k, (v, t) in figures.items() if _over(v, t)]
     if over:
         v, t = figures[over[0]]
         fig = "not finite" if v is None or not math.isfinite(v) else f"{v:.3g} > {t:.3g}"
-        return Recheck(decision, figures, False, f"over its threshold at the audit's own order ({over[0]} {fig}): "
-                                                 "over whatever the second order measures")
-    close = [k for k, (v, t) in figures.items() if near(v, t)]
+        return Recheck(decision, both, False, f"over its threshold at the audit's own order ({over[0]} {fig}): "
+                                              "over whatever the second order measures")
+    close = [k for k, (v, t) in figures.items() if near(v, t, k)]
+    close += [k for k, (v, t) in (gauges or {}).items() if v is None or not math.isfinite(v) or v > t / margin(k)]
     if close:
-        v, t = figures[close[0]]
-        return Recheck(decision, figures, True, f"{close[0]} {v:.3g} is within {MARGIN:g}x below its threshold "
-                                                f"{t:.3g}: re-measured at the second order")
-    ratio = min((t / v if v else math.inf) for v, t in figures.values() if v is not None)
-    far = "every figure is 0" if ratio == math.inf else f"every figure is {ratio:.3g}x or more below its threshold"
-    return Recheck(decision, figures, False, f"{far} (margin {MARGIN:g}x): no reduction order moves it that far")
+        v, t = both[close[0]]
+        if v is None or not math.isfinite(v):
+            return Recheck(decision, both, True, f"{close[0]} not measured: re-measured at the second order")
+        return Recheck(decision, both, True, f"{close[0]} {v:.3g} is within {margin(close[0]):g}x below its "
+                                             f"threshold {t:.3g}{' (or over it)' if v > t else ''}"
+                                             ": re-measured at the second order")
+    parts = [f"{k} {'0' if not v else f'{t / v:.3g}x below'} (margin {margin(k):g}x)"
+             for k, (v, t) in both.items() if v is not None]
+    return Recheck(decision, both, False, f"{', '.join(parts)}: the other order cannot carry them over")
 
 
-def verdict_recheck(analysis: Analysis, fmt: Format) -> Recheck:
-    """The re-check of ``fmt``'s verdict (and of the uniform ``fmt`` plan, which is that verdict)."""
+def verdict_recheck(analysis: Analysis, fmt: Format, first_order_sum: float | None = None) -> Recheck:
+    """The re-check of ``fmt``'s verdict (and of the uniform ``fmt`` plan, which is that verdict); ``first_order_sum``:
+    the sum of the format's |first-order loss impacts| relative to the loss (the planner's, plan.calibration), the
+    gauge of its loss change."""
     s = analysis.summaries[fmt]
     b = analysis.budget
-    figures = {"loss_rel_change": (s.loss_rel_change, b.max_loss_rel_change),
+    figures = {LOSS: (s.loss_rel_change, b.max_loss_rel_change),
                "output_rel_error": (s.output.rel_l2 if s.output else None, b.max_output_rel_error)}
     already = None
     if s.error:
@@ -90,7 +111,9 @@ def verdict_recheck(analysis: Analysis, fmt: Format) -> Recheck:
     elif s.param_grads_nonfinite:
         already = (f"{s.param_grads_nonfinite} non-finite parameter gradient element(s) at the audit's own order: "
                    "unsafe whatever the second order measures")
-    return weigh(f"{fmt}: safe as is (its verdict, and the uniform {fmt} plan)", figures, already)
+    gauges: dict[str, tuple[float | None, float]] | None = \
+        {GAUGE: (first_order_sum, b.max_loss_rel_change)} if first_order_sum is not None else None
+    return weigh(f"{fmt}: safe as is (its verdict, and the uniform {fmt} plan)", figures, already, gauges)
 
 
 @dataclass
@@ -112,12 +135,13 @@ def decide(capture, noise, budget: Budget, plan: Callable[[Analysis], tuple[Any,
     if noise is None:
         mixed, result = plan(analysis)
         return Decided(analysis, mixed, result)
-    verdicts = {f: verdict_recheck(analysis, f) for f in analysis.summaries}
+    mixed, result = plan(analysis)  # the planner's first-order sums are the gauges of the loss changes
+    verdicts = {f: verdict_recheck(analysis, f, _first_order_sum(result, f)) for f in analysis.summaries}
     todo = tuple(f for f, r in verdicts.items() if r.rechecked)
     if todo:
         recheck(todo)
         analysis = analyse(capture, budget, noise)
-    mixed, result = plan(analysis)
+        mixed, result = plan(analysis)
     planner = planner_recheck(analysis, result)
     # a bound over the budget only for want of a format's figure at the second order: that forward first (cheap)
     extra = tuple(f for f in _first_formats(result) if f in verdicts and f not in noise.runs) \
@@ -141,6 +165,12 @@ def decide(capture, noise, budget: Budget, plan: Callable[[Analysis], tuple[Any,
     return Decided(analysis, mixed, result, list(verdicts.values()) + [planner])
 
 
+def _first_order_sum(result, fmt: Format) -> float | None:
+    info = (result.calibration_info.get(fmt.value) or {}) if result is not None else {}
+    v = info.get(GAUGE)
+    return v if v is not None and math.isfinite(v) else None
+
+
 def _first_formats(result) -> list[Format]:
     """The low-precision formats of the planner's first choice (each module's fastest allowed format)."""
     if result is None:
@@ -155,9 +185,10 @@ def planner_recheck(analysis: Analysis, result) -> Recheck:
     The planner's first choice (each module's fastest allowed format) does not read the impacts' values; only its
     budget repair does, when the plan's calibrated loss change is over the budget. That change, at the two orders'
     upper end, is at most the sum over the formats of the first choice of each format's calibrated total (its
-    measured all-format loss change: exact when that format's verdict was re-checked, else at most :data:`MARGIN`
-    times the audit's own order's), or, for a format not calibrated, :data:`MARGIN` times its modules' first-order
-    sum. When that bound is within the budget, no order can start a repair, and the choices stand as made."""
+    measured all-format loss change: exact when that format's verdict was re-checked, else at most the loss margin
+    times the larger of the audit's own order's figure and the format's first-order sum, the rule of :func:`weigh`),
+    or, for a format not calibrated, the margin times its first-choice modules' first-order sum. When that bound is
+    within the budget, no order can start a repair, and the choices stand as made."""
     decision = PLANNER
     budget = analysis.budget.max_loss_rel_change
     if result is None:
@@ -187,24 +218,44 @@ def _first_choice_bound(analysis: Analysis, result) -> float | None:
         info = result.calibration_info.get(f.value) or {}
         measured = info.get("measured_loss_rel_change")
         both = noise is not None and f in noise.runs and noise.loss_rel_change(f) is not None
-        cal = None if measured is None else (measured if both else MARGIN * measured)
+        gauge = max(measured or 0.0, info.get(GAUGE) or 0.0)
+        cal = None if measured is None else (measured if both else MARGINS[LOSS] * gauge)
         raw = sum(v for n, g in firsts.items() if g is f and (v := (result.raw_impacts.get(n) or {}).get(f))
                   is not None)
         if info.get("note") is None and cal is not None:
             total += cal
         else:  # not calibrated here (factor 1): the raw first-order sum; calibrated at the upper end, at most cal
-            total += max(MARGIN * raw / ref, cal or 0.0)
+            total += max(MARGINS[LOSS] * raw / ref, cal or 0.0)
         if not math.isfinite(total):
             return None
     return total
 
 
-def verification_rechecked(round_: int, loss: float | None, out: float | None, budget: Budget) -> Recheck:
+def verification_rechecked(round_: int, loss: float | None, out: float | None, budget: Budget,
+                           first_order_sum: float | None = None) -> Recheck:
     """The re-check of one verification pass of the mixed plan (planning/verified.py runs it at the second order
-    when :attr:`Recheck.rechecked`)."""
+    when :attr:`Recheck.rechecked`); ``first_order_sum``: the plan's (:func:`plan_first_order_sum`), the gauge of
+    its loss change."""
     return weigh(f"the mixed plan's verification, pass {round_}",
-                 {"loss_rel_change": (loss, budget.max_loss_rel_change),
-                  "output_rel_error": (out, budget.max_output_rel_error)})
+                 {LOSS: (loss, budget.max_loss_rel_change), "output_rel_error": (out, budget.max_output_rel_error)},
+                 gauges={GAUGE: (first_order_sum, budget.max_loss_rel_change)})
+
+
+def plan_first_order_sum(policy, result, reference_loss: float) -> float:
+    """The sum of the planned modules' |first-order loss impacts| in the format ``policy`` runs each in (the
+    uncalibrated bound of the plan's loss change, plan.first_order_loss_rel_change), relative to
+    ``reference_loss`` (the planner's); inf when a module's impact in its format was not measured."""
+    if result is None:
+        return math.inf
+    total = 0.0
+    for name, raw in result.raw_impacts.items():
+        f = Format(policy.effective_format(name))
+        if f in (Format.FP16, Format.BF16):
+            v = raw.get(f)
+            if v is None:
+                return math.inf
+            total += v
+    return total / (abs(reference_loss) or 1.0)
 
 
 PLANNER = "the planner's per-module choices (its budget repair ranks modules by their impacts)"
@@ -233,7 +284,7 @@ def plan_with_orders(capture, noise, budget: Budget, plan: Callable[[Analysis], 
         verifications = []
         chosen = choose(decided, verifications)
     if noise is not None:
-        noise.margin = MARGIN
+        noise.margins = dict(MARGINS)
         noise.rechecks = [r.to_dict() for r in decided.rechecks + verifications]
     return decided, chosen
 

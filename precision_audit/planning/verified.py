@@ -17,8 +17,8 @@ from ..analysis.performance import Performance
 from ..formats import Format
 from ..policy.schema import Policy
 from .planner import PlannerResult
-from .rules import Plan, plan_mixed_precision
-from .second_order import Decided, Recheck, plan_with_orders, verification_rechecked
+from .rules import Plan, plan_mixed_precision, symmetric_reference_loss
+from .second_order import Decided, Recheck, plan_first_order_sum, plan_with_orders, verification_rechecked
 from .select import PlanCandidate, choose
 
 #: (loss rel. changes, output rel. errors, error, loss) of one plan, one entry per reduction order measured.
@@ -39,11 +39,13 @@ class ChosenPlan:
 
 
 def plan_verifier(session: Any, noise: Any, reference_loss: float, budget: Budget | None = None,
-                  rechecks: list[Recheck] | None = None) -> Callable[[Policy, Format], Verification]:
+                  rechecks: list[Recheck] | None = None, gauge: Callable[[Policy], float] | None = None
+                  ) -> Callable[[Policy, Format], Verification]:
     """``verify(policy, default)``: the policy applied to one forward at this audit's reduction order and, when
     the noise floor was measured, one at the second (capture/noise.py); the upper ends decide. With ``budget``, the
-    second order's forward runs only where its figures at the first lie within the margin below the budget
-    (second_order.py), and each pass's weighing goes into ``rechecks``."""
+    second order's forward runs only where its figures at the first lie within their margins below the budget, or
+    the plan's first-order sum (``gauge(policy)``) says its loss change could reach it (second_order.py), and each
+    pass's weighing goes into ``rechecks``."""
     from ..capture.noise import plan_forward
 
     passes = [0]
@@ -57,7 +59,8 @@ def plan_verifier(session: Any, noise: Any, reference_loss: float, budget: Budge
         error = run.error
         if noise is not None:
             passes[0] += 1
-            weighed = verification_rechecked(passes[0], lc, oes[0], budget) if budget is not None else None
+            weighed = verification_rechecked(passes[0], lc, oes[0], budget, gauge(policy) if gauge else math.inf) \
+                if budget is not None else None
             if weighed is not None and rechecks is not None:
                 rechecks.append(weighed)
             if weighed is None or weighed.rechecked:
@@ -104,9 +107,11 @@ def plan_and_verify(session: Any, capture: Any, noise: Any, perf: Performance, f
         complete(session, noise, formats)
 
     def choose(d: Decided, rechecks: list[Recheck]) -> ChosenPlan:
-        return choose_verified_plan(d.analysis, perf, formats, d.mixed, d.planner_result,
-                                    plan_verifier(session, noise, d.analysis.reference_loss, d.analysis.budget,
-                                                  rechecks), lambda p: make_policy(p, d.analysis), say)
+        ref = symmetric_reference_loss(d.analysis)
+        verify = plan_verifier(session, noise, d.analysis.reference_loss, d.analysis.budget, rechecks,
+                               lambda policy: plan_first_order_sum(policy, d.planner_result, ref))
+        return choose_verified_plan(d.analysis, perf, formats, d.mixed, d.planner_result, verify,
+                                    lambda p: make_policy(p, d.analysis), say)
 
     decided, chosen = plan_with_orders(capture, noise, budget, plan, recheck, complete_orders, choose)
     return decided.analysis, chosen
