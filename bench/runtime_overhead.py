@@ -1,25 +1,36 @@
-"""Runtime overhead: a training step with the policy applied and the controller, against the same step written
-by hand with torch.amp (autocast + GradScaler), measured in one run.
+"""Runtime overhead: a training step with the policy applied and the controller, against the same step written by
+hand with the same guarantees (issue 33, decision 3), measured in one run.
 
-    python bench/runtime_overhead.py [--repeats 200]
-    PA_WIDTH=4096 PA_BATCH=8192 python bench/runtime_overhead.py --device cuda     # on a GPU
+    python bench/runtime_overhead.py [--repeats 300] [--format bf16|fp16] [--count] [--ab]
+    python bench/runtime_overhead.py --device cuda                                   # on a GPU: 512 wide
+    PA_WIDTH=4096 PA_BATCH=8192 python bench/runtime_overhead.py --device cuda --repeats 50
 
-Both loops run the residual-MLP probe (bench/models/residual_mlp.py; PA_DEPTH, PA_WIDTH, PA_BATCH pick its size)
-under the same BF16 autocast (emulated on a CPU, torch's own with ``--device cuda``) with the same optimizer; the
-policy keeps two modules in FP32 so that per-module switching is exercised, and the hand-written step keeps the
-same two in FP32 by hand (``KeptInFp32``: on a GPU an FP32 GEMM costs many times a BF16 one, so a baseline
-without them would charge the policy for the FP32 work it asks for). The row "the same after controller.close()"
-times the controller after ``controller.close()`` has removed its hooks (the ones that let it name the source
-of a non-finite step: since issue 14, two hooks on the root module that keep what a replay of a bad step needs;
-docs/performance.md), which isolates what they cost on clean steps; the last, the policy's module wrappers with
-the step written by hand, isolates what the controller adds; "by hand, skipping non-finite steps" is the
-hand-written step with the guarantee the controller gives under BF16 (the gradients' total norm, no update when
-it is not finite), the like-for-like baseline for what that guarantee costs. All run in interleaved rounds.
+Every row runs the residual-MLP probe (bench/models/residual_mlp.py; PA_DEPTH, PA_WIDTH, PA_BATCH pick its size)
+under the same autocast (CUDA's emulated on a CPU, torch's own with ``--device cuda``) with the same optimizer; the
+policy keeps two modules in FP32, and the hand-written steps keep the same two in FP32 by hand (``KeptInFp32``).
+
+- **baseline: by hand, same guarantees** — for ``bf16``, autocast, backward, the gradients' total norm, one read
+  of whether it is finite, no update when it is not (``torch.nn.utils.get_total_norm``, one device sync); for
+  ``fp16``, autocast + ``torch.amp.GradScaler`` (its found-inf check and skip, one sync). The ratio column is
+  against this row.
+- by hand, no check: autocast and the update, nothing else (the bare step, for reference);
+- ``apply_policy`` + ``controller.step``: the policy's module wrappers, ``precision_audit.autocast`` on a GPU (the
+  CPU rows use the emulation for every row), and the controller with everything it does on a clean step (the
+  total norm and flags, its one sync, the monitor, the TF32 marks, the hooks that let it name a bad step's source);
+- the same after ``controller.close()`` (no source hooks), and the policy's wrappers with the step by hand.
+
+Rounds are interleaved, the order of the rows rotating every round, so that load that drifts hits every row alike;
+the ratios are medians over rounds of each round's paired ratio (with a bootstrap interval for the headline one).
+``--ab`` times the headline pair only, back to back and alternating, which a loaded machine disturbs less.
+``--count`` also counts, per step, the operators dispatched (those that are not views: about one kernel launch
+each on a GPU), the reads to the host (device syncs) and the tensors made from host data, with a counting
+``TorchDispatchMode``: the CPU's proxy for what a launch-bound GPU step pays.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import statistics
@@ -28,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,6 +50,14 @@ from precision_audit.loading import load_batch, load_model, resolve_loss  # noqa
 from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy, fingerprint, model_layout  # noqa: E402
 
 FP32_MODULES = ("blocks.0.fc1", "head")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ROWS = {  # key: label
+    "checked": "baseline: by hand, same guarantees",
+    "bare": "by hand, no check",
+    "ours": "apply_policy + controller.step",
+    "no_hooks": "  the same after controller.close()",
+    "wrappers": "apply_policy, the step by hand",
+}
 
 
 class KeptInFp32(torch.nn.Module):
@@ -62,31 +82,96 @@ def by_hand_model(model: torch.nn.Module, device_type: str) -> torch.nn.Module:
     return hand
 
 
+_SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item"}
+
+
+def _is_view(func) -> bool:
+    """An operator whose output aliases an input without writing it (a view: no kernel)."""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+class CountOps(TorchDispatchMode):
+    """Counts dispatched operators that are not views or allocations (about one kernel launch each on a GPU), reads
+    to the host (``item``/``bool``/``tolist``: a device sync each on a GPU) and tensors made from host data
+    (``torch.tensor([...], device=...)``: on a GPU a copy from pageable memory, which waits for the stream too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: collections.Counter[str] = collections.Counter()
+        self.syncs = 0
+        self.from_host = 0
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self):
+        counter = self
+        tolist = self._tolist
+
+        def counted_tolist(t):
+            counter.syncs += 1
+            return tolist(t)
+
+        torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]  # a CPU tolist dispatches nothing
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in _SYNC_OPS:
+            self.syncs += 1
+        elif name == "lift_fresh":
+            self.from_host += 1
+        elif not (_is_view(func) or name.startswith("empty") or name in ("set_", "alias")):
+            self.kernels[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median (percentile method, fixed seed)."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(len(values), (resamples, len(values)), generator=g)
+    meds = v[idx].median(dim=1).values.sort().values
+    return float(meds[int(0.025 * resamples)]), float(meds[int(0.975 * resamples) - 1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=300)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cpu: CUDA autocast emulated on the CPU; cuda: the GPU, torch's own autocast (each step "
                          "timed between two device synchronisations)")
+    ap.add_argument("--format", default="bf16", choices=tuple(DTYPES), help="the policy's default format")
+    ap.add_argument("--count", action="store_true", help="also count operators and host reads per step")
+    ap.add_argument("--ab", action="store_true",
+                    help="time only the baseline and apply_policy + controller.step, alternating (ABBA), with the "
+                         "policy applied and one controller throughout: the headline ratio, less exposed to load")
     args = ap.parse_args()
-    dev = args.device
+    dev, dtype = args.device, DTYPES[args.format]
     model, source = load_model(str(ROOT / "bench" / "models" / "residual_mlp.py"))
     batch = load_batch(None, model, source)
     spec = resolve_loss(source, model(*batch.args), batch)
     model.to(dev)
     batch = batch.to(dev)
+    scaling = args.format == "fp16"
+    fp, n = fingerprint(model)
+    policy = Policy(model_class=type(model).__name__, model_fingerprint=fp, model_modules=n, target_name="H100 SXM",
+                    target_compute_capability=(9, 0), default_format=args.format,
+                    modules={m: ModuleOverride("fp32", "bench") for m in FP32_MODULES},
+                    loss_scaling=LossScaling(enabled=scaling, init_scale=2.0 ** 12), model_layout=model_layout(model))
 
     def autocast():
-        return torch.autocast("cuda", torch.bfloat16) if dev == "cuda" else emulated_autocast(torch.bfloat16)
+        return torch.autocast("cuda", dtype) if dev == "cuda" else emulated_autocast(dtype)
+
+    def policy_autocast():  # the documented loop's context on a GPU; the emulation (as every row) on a CPU
+        return pa.autocast(policy, "cuda") if dev == "cuda" else emulated_autocast(dtype)
 
     def sync() -> None:
         if dev == "cuda":
             torch.cuda.synchronize()
-    fp, n = fingerprint(model)
-    policy = Policy(model_class=type(model).__name__, model_fingerprint=fp, model_modules=n, target_name="H100 SXM",
-                    target_compute_capability=(9, 0), default_format="bf16",
-                    modules={m: ModuleOverride("fp32", "bench") for m in FP32_MODULES},
-                    loss_scaling=LossScaling(enabled=False), model_layout=model_layout(model))
 
     def one(step) -> float:
         sync()
@@ -97,14 +182,12 @@ def main() -> None:
 
     with CudaAutocastPolicy() if dev == "cpu" else contextlib.nullcontext():
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-        # the same step by hand, on a copy whose FP32 modules are kept in FP32 by hand (same work on a GPU, where
-        # an FP32 GEMM costs many times a BF16 one)
         hand = by_hand_model(model, "cuda" if dev == "cuda" else "cpu")
         hand_opt = torch.optim.SGD(hand.parameters(), lr=1e-4)
-        scaler = torch.amp.GradScaler(dev, enabled=False)
+        scaler = torch.amp.GradScaler(dev, init_scale=2.0 ** 12, enabled=scaling)
         box: dict = {}
 
-        def step_by_hand(net, optimizer):
+        def bare(net, optimizer):
             def step():
                 with autocast():
                     loss = spec(net(*batch.args), batch)
@@ -114,11 +197,11 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
             return step
 
-        by_hand = step_by_hand(hand, hand_opt)
-
-        def checked_by_hand(net, optimizer):
-            # the same step with the guarantee the controller gives under BF16 (issue 11), written by hand: the
-            # gradients' total norm, and no update when it is not finite (one device sync)
+        def checked(net, optimizer):
+            # bf16: the controller's guarantee written by hand (the gradients' total norm, no update when it is not
+            # finite, one device sync); fp16: GradScaler's own found-inf check and skip (one sync in its step)
+            if scaling:
+                return bare(net, optimizer)
             params = [p for p in net.parameters() if p.requires_grad]
 
             def step():
@@ -131,61 +214,86 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
             return step
 
-        hand_checked = checked_by_hand(hand, hand_opt)
-        # the policy's module wrappers, the step written by hand: what the controller adds
-        policy_by_hand = step_by_hand(model, opt)
+        steps = {"checked": checked(hand, hand_opt), "bare": bare(hand, hand_opt)}
+        policy_by_hand = bare(model, opt)
 
         def with_policy():
-            with autocast():
+            with policy_autocast():
                 loss = spec(model(*batch.args), batch)
             box["controller"].step(loss)
 
-        # Interleaved rounds (the order rotating), so that a machine whose load drifts affects all alike.
-        # Each round: by hand; then with the policy applied, the step by hand, and with a fresh controller, one
-        # step with its source hooks and, after controller.close() has removed them, one step without.
-        times: dict[str, list[float]] = {"hand": [], "ours": [], "no_hooks": [], "wrappers": [], "checked": []}
-        for r in range(args.repeats + 5):
-            got: dict[str, float] = {}
-            for what in (("hand", "policy"), ("policy", "hand"))[r % 2]:
-                if what == "hand":
-                    got["hand"] = one(by_hand)
-                    got["checked"] = one(hand_checked)
-                    continue
-                handle = pa.apply_policy(model, policy, device_type=dev)
-                got["wrappers"] = one(policy_by_hand)
-                box["controller"] = pa.controller(model, opt, policy, device=dev)
-                order = ("ours", "no_hooks") if r % 4 < 2 else ("no_hooks", "ours")
-                if order[0] == "no_hooks":
-                    box["controller"].close()
-                got[order[0]] = one(with_policy)
-                box["controller"].close()  # removes the source hooks; steps are still checked and skipped
-                if order[1] == "ours":  # a fresh controller, hooks on
-                    box["controller"] = pa.controller(model, opt, policy, device=dev)
-                got[order[1]] = one(with_policy)
-                box["controller"].close()
+        def run(what: str) -> float:
+            if what in steps:
+                return one(steps[what])
+            handle = pa.apply_policy(model, policy, device_type=dev)
+            try:
+                if what == "wrappers":
+                    return one(policy_by_hand)
+                box["controller"] = ctl = pa.controller(model, opt, policy, device=dev)
+                if what == "no_hooks":
+                    ctl.close()
+                t = one(with_policy)
+                ctl.close()
+                return t
+            finally:
                 handle.remove()
-            if r >= 5:  # warm-up rounds
-                for k, v in got.items():
-                    times[k].append(v)
-        base, ours, no_hooks, wrappers, checked = (statistics.median(times[k])
-                                                   for k in ("hand", "ours", "no_hooks", "wrappers", "checked"))
-        # the hooks' cost as the median of the paired per-round differences (robust to load drifting by round)
-        hooks = statistics.median(a - b for a, b in zip(times["ours"], times["no_hooks"]))
-    where = (f"{torch.cuda.get_device_name()}, torch's bf16 autocast" if dev == "cuda"
-             else f"{torch.get_num_threads()} threads, emulated bf16")
+
+        times: dict[str, list[float]] = {k: [] for k in (("checked", "ours") if args.ab else ROWS)}
+        if args.ab:  # the headline pair only, the policy applied and one controller throughout, as in training
+            handle = pa.apply_policy(model, policy, device_type=dev)
+            box["controller"] = ctl = pa.controller(model, opt, policy, device=dev)
+            pair = {"checked": steps["checked"], "ours": with_policy}
+            for r in range(args.repeats + 5):
+                for what in (("checked", "ours"), ("ours", "checked"))[r % 2]:
+                    t = one(pair[what])
+                    if r >= 5:  # warm-up rounds
+                        times[what].append(t)
+            ctl.close()
+            handle.remove()
+        else:
+            order = list(ROWS)
+            for r in range(args.repeats + 5):
+                rot = r % len(order)
+                for what in order[rot:] + order[:rot]:
+                    t = run(what)
+                    if r >= 5:  # warm-up rounds
+                        times[what].append(t)
+        counts = {}
+        if args.count:
+            for what in times:
+                run(what)  # warm
+                with CountOps() as c:
+                    run(what)
+                counts[what] = c
+    where = (f"{torch.cuda.get_device_name()}, torch's {args.format} autocast" if dev == "cuda"
+             else f"{torch.get_num_threads()} threads, emulated {args.format}")
     print(f"torch {torch.__version__}, {where}; residual MLP probe {model.blocks[0].fc1.in_features} wide, "
-          f"{len(model.blocks)} blocks, batch {batch.args[0].shape[0]}")
-    print(f"{'step':<34} {'median ms':>10} {'ratio':>7}")
-    print(f"{'by hand (autocast + GradScaler)':<34} {base * 1e3:>10.3f} {1.0:>6.2f}x")
-    print(f"{'apply_policy + controller.step':<34} {ours * 1e3:>10.3f} {ours / base:>6.2f}x")
-    print(f"{'  the same after controller.close()':<34} {no_hooks * 1e3:>10.3f} {no_hooks / base:>6.2f}x")
-    print(f"{'apply_policy, the step by hand':<34} {wrappers * 1e3:>10.3f} {wrappers / base:>6.2f}x")
-    print(f"{'by hand, skipping non-finite steps':<34} {checked * 1e3:>10.3f} {checked / base:>6.2f}x")
-    print(f"apply_policy + controller.step against the step by hand with the same non-finite check: "
-          f"{ours / checked:.2f}x")
-    print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step "
-          f"({hooks / no_hooks:+.1%} of the step "
-          "without them)")
+          f"{len(model.blocks)} blocks, batch {batch.args[0].shape[0]}; {args.repeats} interleaved rounds"
+          + (" (A/B: the baseline and the controller's step alternating)" if args.ab else ""))
+    head = f"{'step':<38} {'median ms':>10} {'ratio':>7}"
+    if counts:
+        head += f" {'ops/step':>9} {'syncs':>6} {'from host':>9}"
+    print(head)
+    for what in times:
+        ratio = statistics.median(a / b for a, b in zip(times[what], times["checked"]))
+        line = f"{ROWS[what]:<38} {statistics.median(times[what]) * 1e3:>10.3f} {ratio:>6.3f}x"
+        if counts:
+            line += f" {sum(counts[what].kernels.values()):>9} {counts[what].syncs:>6} {counts[what].from_host:>9}"
+        print(line)
+    ratios = [a / b for a, b in zip(times["ours"], times["checked"])]
+    lo, hi = _median_ci(ratios)
+    q = statistics.quantiles(ratios, n=4)
+    print(f"apply_policy + controller.step / baseline, paired per round: median {statistics.median(ratios):.3f}x, "
+          f"95% CI of the median {lo:.3f}-{hi:.3f}x, quartiles {q[0]:.3f}-{q[2]:.3f}x")
+    if "no_hooks" in times:
+        hooks = statistics.median(a - b for a, b in zip(times["ours"], times["no_hooks"]))
+        print(f"source-attribution hooks, paired per round: {hooks * 1e3:+.3f} ms per step "
+              f"({hooks / statistics.median(times['no_hooks']):+.1%} of the step without them)")
+    if counts:
+        extra = counts["ours"].kernels - counts["checked"].kernels
+        fewer = counts["checked"].kernels - counts["ours"].kernels
+        print(f"operators the controller's step adds to the baseline's: {dict(extra) or 'none'}; "
+              f"and does not run: {dict(fewer) or 'none'}")
 
 
 if __name__ == "__main__":

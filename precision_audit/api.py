@@ -8,7 +8,12 @@ same order: ``loss_fn`` -> the model's own ``output.loss`` -> cross-entropy / MS
 
 The model is left exactly as it was: the passes run on the model itself and put back what they change, the
 random generators forked (capture/session.py, capture/model_state.py; docs/memory.md), and the batch is copied
-before the audit sees it.
+before the audit sees it. The caller's context is set aside and put back: called inside the caller's
+``torch.autocast`` (or ``no_grad`` / ``inference_mode``) the audit still runs its FP32 reference in plain FP32
+with gradients, and the caller's autocast, grad mode and TF32 switches are as they were when it returns. One
+model is audited by one call at a time: a second call on the same model (or on a module inside it) from another
+thread, or from inside the first, is refused (:class:`~precision_audit.errors.ModelInUseError`), since both
+would hook and swap the same modules.
 
 Example::
 
@@ -20,10 +25,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -32,11 +39,14 @@ import torch
 
 from .analysis.findings import Budget
 from .audit import _OUT_FOLDERS, AuditOptions, AuditResult, Subject, _absolute, _out_path, compute_audit, result_of
-from .errors import BatchError, LossError, ModelLoadError, OptionError
+from .errors import BatchError, LossError, ModelInUseError, ModelLoadError, OptionError
 from .loading import ModelSource, _interpret, check_trainable, model_exit_error
+from .loading.nested import check_nesting
 from .options import _short_repr
 from .outputs import check_out_dir
 from .policy.schema import unwrap_model
+from .tf32_switches import restore as restore_tf32
+from .tf32_switches import snapshot as snapshot_tf32
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +82,7 @@ def audit(
     steps: int = 1,
     seed: int = 0,
     kernels: str = "auto",
+    trace: bool = False,
 ) -> AuditResult:
     """Audit ``model`` on ``batch`` in memory; returns the :class:`~precision_audit.audit.AuditResult`.
 
@@ -85,12 +96,23 @@ def audit(
       it nothing is written (call ``result.save(folder)`` later).
     - ``progress``: True shows a ``tqdm.auto`` progress bar (a widget in Jupyter), False nothing, or a
       callable taking each stage's message.
-    - ``device``, ``emulate``, ``steps``, ``seed``, ``kernels``: as the command line's options of those names.
+    - ``device``, ``emulate``, ``steps``, ``seed``, ``kernels``, ``trace``: as the command line's options of those
+      names.
 
-    ``model`` is left exactly as it was (parameters, buffers, gradients, modes, hooks, random state). Bad
-    arguments raise an :class:`~precision_audit.errors.AuditError` subclass before anything runs.
+    ``model`` is left exactly as it was (parameters, buffers, gradients, modes, hooks, random state), and so is
+    the caller's context (autocast, grad mode, TF32 switches): inside the caller's ``torch.autocast`` the audit's
+    FP32 reference is still FP32. Bad arguments raise an :class:`~precision_audit.errors.AuditError` subclass
+    before anything runs; so does a second audit of a model being audited (another thread's, or this one's).
     """
     inner, batch_raw, fn, budget_obj, shown = _check_arguments(model, batch, loss_fn, budget, progress)
+    with _one_audit_at_a_time(inner), _plain_fp32_context():
+        return _audit(inner, batch_raw, fn, budget_obj, shown, target=target, formats=formats, out=out,
+                      device=device, emulate=emulate, steps=steps, seed=seed, kernels=kernels, trace=trace)
+
+
+def _audit(inner: torch.nn.Module, batch_raw: Any, fn: Any, budget_obj: Budget, shown: bool | Callable[[str], None],
+           *, target: str | None, formats: Any, out: str | os.PathLike[str] | None, device: str, emulate: bool,
+           steps: int, seed: int, kernels: str, trace: bool) -> AuditResult:
     if out is not None:
         out = _out_path(out)
         check_out_dir(out, _OUT_FOLDERS)
@@ -99,8 +121,9 @@ def audit(
                          module=_loss_module(fn))
     opts = AuditOptions(model=source.spec, batch=None, out=_absolute(out) if out is not None else Path("audit"),
                         target=target, formats=formats, device=device, emulate=emulate, steps=steps, seed=seed,
-                        budget=budget_obj, kernels=kernels)
+                        budget=budget_obj, kernels=kernels, trace=trace)
     check_trainable(inner, source)
+    check_nesting(batch_raw, BATCH_LABEL)
     subject = Subject(inner, source, _interpret(_copy_tensors(batch_raw, {}), inner, BATCH_LABEL))
     # the bar is made when the audit starts, after the arguments are checked
     say: Callable[[str], None] | None = (TqdmProgress() if shown is True else None if isinstance(shown, bool)
@@ -119,6 +142,63 @@ def audit(
     if out is not None:
         result.save(out)
     return result
+
+
+#: The modules of the models being audited now (by id; each entry is alive while its audit runs): a second audit of
+#: any of them is refused. Guarded by _RUNNING_LOCK.
+_RUNNING: dict[int, str] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_audit_at_a_time(model: torch.nn.Module) -> Iterator[None]:
+    """Refuse to audit ``model`` while another audit runs on it or on a module they share: both would register
+    hooks on the same modules and swap their forwards and buffers, each undoing the other's (wrong summaries, a
+    hook left on the model)."""
+    ids = {id(m) for m in model.modules()}
+    me = threading.current_thread().name
+    with _RUNNING_LOCK:
+        busy = ids & _RUNNING.keys()
+        if busy:
+            where = ", ".join(sorted({_RUNNING[i] for i in busy}))
+            raise ModelInUseError(
+                f"this {type(model).__name__} is being audited already",
+                found=f"an audit running in thread {where!r} on {len(busy)} of its {len(ids)} module(s)",
+                hint="audit one model at a time: wait for the running audit (or audit a copy: copy.deepcopy(model))")
+        for i in ids:
+            _RUNNING[i] = me
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            for i in ids:
+                _RUNNING.pop(i, None)
+
+
+#: The device types torch.autocast knows; the caller's autocast is switched off on each that has it on.
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu", "privateuseone")
+
+
+@contextlib.contextmanager
+def _plain_fp32_context() -> Iterator[None]:
+    """The caller's context set aside for the audit: no autocast (the FP32 reference must be FP32; the audit sets
+    its own autocast for each format), gradients on (outside any ``no_grad`` / ``inference_mode``); and the TF32
+    switches as they were, whatever the audit or the model changed. Each is put back on the way out."""
+    tf32 = snapshot_tf32()
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.enable_grad())
+            for device in _AUTOCAST_DEVICES:
+                try:
+                    on = torch.is_autocast_enabled(device)
+                except (RuntimeError, ValueError):  # a device type this torch does not know
+                    continue
+                if on:
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            yield
+    finally:
+        restore_tf32(tf32)
 
 
 def _check_arguments(model: Any, batch: Any, loss_fn: Any, budget: Any, progress: Any
@@ -190,12 +270,18 @@ def _copy_tensors(value: Any, memo: dict[int, torch.Tensor]) -> Any:
 
 
 class TqdmProgress:
-    """Progress for :func:`audit`: one ``tqdm.auto`` bar (a widget in Jupyter, text elsewhere) that counts the
-    audit's stages and names the current one; ``close()`` finishes it."""
+    """Progress for :func:`audit`: one ``tqdm.auto`` bar (a widget in Jupyter with ipywidgets, text elsewhere) that
+    counts the audit's stages and names the current one; ``close()`` finishes it."""
 
     def __init__(self) -> None:
-        from tqdm.auto import tqdm
+        import importlib.util
 
+        if importlib.util.find_spec("ipywidgets") is None:
+            # tqdm.auto in a Jupyter kernel without ipywidgets warns "IProgress not found" (a red box) before it
+            # falls back to this text bar: take the text bar ourselves (README.md, "In a notebook")
+            from tqdm.std import tqdm
+        else:
+            from tqdm.auto import tqdm
         self._bar = tqdm(total=None, desc="precision-audit", unit="stage",
                          bar_format="{desc} [{n_fmt} stages, {elapsed}]", leave=True)
 

@@ -110,7 +110,7 @@ def summary(analysis: Analysis, step_times: dict[str, list[float]], time_label: 
 
     bad = analysis.fp32_nonfinite
     # FP32's own non-finite values (its loss and output are finite, or the audit stops): the model's problem,
-    # not counted against any format (README.md, audit.json)
+    # not counted against any format (docs/report.md, "audit.json at a glance")
     reference = R.ReferenceSummary(
         loss=analysis.reference_loss, step_time=times("fp32"),
         nonfinite=R.Fp32NonFiniteFacts(outputs=bad.outputs, output_grads=bad.output_grads,

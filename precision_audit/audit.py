@@ -14,6 +14,7 @@ The module is also callable: ``precision_audit.audit(model, batch, ...)`` audits
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -35,7 +36,6 @@ from .analysis.findings import Analysis
 from .analysis.gemm_timing import measure_gemms_on_gpu
 from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import Performance, performance
-from .capture.compiled import resolve as resolve_kernels
 from .capture.noise import NoiseFloor, measure_noise_floor
 from .capture.records import CaptureResult, RunRecord
 from .capture.runner import CaptureConfig, CaptureSession
@@ -44,8 +44,7 @@ from .errors import ModelRunError, OptionError
 from .formats import Format
 from .fp8.audit import fp8_stage
 from .fp8.audit import requested as fp8_requested
-from .gpus import GpuSpec, resolve_target
-from .hardware import HardwareInfo, default_target, detect
+from .gpus import GpuSpec
 from .loading import (
     Batch,
     LossSpec,
@@ -57,7 +56,7 @@ from .loading import (
     resolve_loss,
 )
 from .loading.nested import named_tensors
-from .options import AuditOptions, _short_repr, resolve_device, select_formats
+from .options import AuditOptions, RunSetup, _short_repr, resolve_device, resolve_steps, set_up
 from .outputs import Staging, check_out_dir
 from .planning.rules import Plan
 from .planning.verified import ChosenPlan, plan_and_verify
@@ -149,50 +148,6 @@ class AuditResult:
 
 
 Progress = Callable[[str], None]
-
-
-def resolve_steps(steps: int | None, mode: str) -> int:
-    """The timed steps per format: as asked, else 1 in cuda mode and 0 in emulated mode, where the CPU's timing
-    of an emulated step says nothing about the target GPU (README.md, ``--steps``)."""
-    if steps is not None:
-        return steps
-    return 1 if mode == "cuda" else 0
-
-
-@dataclass(frozen=True)
-class RunSetup:
-    """The request met with this machine and the target: resolved once, before anything runs."""
-
-    hardware: HardwareInfo
-    target: GpuSpec
-    target_reason: str
-    formats: tuple[Format, ...]
-    skipped: list[dict[str, str]]
-    device: str
-    mode: str
-    steps: int
-    kernels: str
-
-    @property
-    def time_label(self) -> str:
-        """Where measured times were measured, as audit.json labels them."""
-        if self.mode == "cuda" and self.hardware.gpus:
-            return f"{self.hardware.gpus[0].name} (cuda)"
-        return (f"this machine's {self.device.upper()} ("
-                + ("emulated numerics; CPU time, not a GPU estimate" if self.mode == "emulated" else "cuda") + ")")
-
-
-def set_up(opts: AuditOptions) -> RunSetup:
-    """The hardware, the target, the formats, the device, the mode, the timed steps and the kernels."""
-    hw = detect()
-    if opts.target:
-        target, target_reason = resolve_target(opts.target), "chosen with --target"
-    else:
-        target, target_reason = default_target(hw)
-    formats, skipped = select_formats(opts, target)
-    device, mode = resolve_device(opts.device, opts.emulate, hw)
-    return RunSetup(hw, target, target_reason, formats, skipped, device, mode, resolve_steps(opts.steps, mode),
-                    resolve_kernels(opts.kernels) if mode == "emulated" else "python")
 
 
 class SubjectRun:
@@ -316,6 +271,10 @@ def _write_outputs(out: Path, given: Path, record: AuditRecord, policy: Policy, 
         stage.write("report.html", html)
         for name, data in traces.items():
             stage.write(f"tb/{name}", data)
+        no_trace = _no_trace_text(record)
+        if no_trace is not None:
+            stage.write(f"tb/{NO_TRACE_FILE}", no_trace)
+        stage.replace_old("tb", NO_TRACE_FILE)
         # an --out holds one audit's files: an earlier audit's profiler traces (tb/<format>/, named by
         # capture/timing.py's trace handler) go when these are committed, also for formats this run lacks
         stage.replace_old("tb", TRACE_PATTERN)
@@ -332,6 +291,9 @@ def _write_outputs(out: Path, given: Path, record: AuditRecord, policy: Policy, 
 
 def _out_path(out: Any) -> Path:
     if isinstance(out, (str, os.PathLike)) and str(os.fspath(out)).strip():
+        if "\0" in str(os.fspath(out)):  # no file system takes it; os.stat would raise ValueError at the end
+            raise OptionError("out holds a NUL character", expected="a folder path without NUL characters",
+                              found=_short_repr(os.fspath(out)))
         return Path(os.fspath(out))
     raise OptionError("out has the wrong type", expected="a folder path (str or pathlib.Path), not empty",
                       found=f"{type(out).__name__}: {_short_repr(out)}")
@@ -342,6 +304,29 @@ _OUT_FOLDERS = ("tb", "tb/audit")
 #: The profiler traces an audit writes under tb/<format>/ (torch's tensorboard_trace_handler with the worker
 #: name "precision-audit-<format>", capture/timing.py); what a new audit replaces (docs/report.md, TensorBoard).
 TRACE_PATTERN = "*/precision-audit-*.pt.trace.json"
+#: In tb/ when the audit took no profiler trace: why, and how to get one (replaced by an audit with traces).
+NO_TRACE_FILE = "NO_PROFILER_TRACE.txt"
+_TRACE_NOTE = ("torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or TensorBoard with "
+               "the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)")
+
+
+def traces_note(taken: bool, steps: int, mode: str) -> str:
+    """audit.json's ``traces.note``: what the trace files are, or why there are none although steps were timed
+    (docs/gpu.md, "Timed steps"). Without timed steps (``--steps 0``) it keeps the description it always had."""
+    if taken or not steps:
+        return _TRACE_NOTE
+    clock = "CUDA events" if mode == "cuda" else "the wall clock"
+    return (f"no profiler trace taken: the timed steps were timed with {clock}, not under torch.profiler (its "
+            "start-up takes seconds per run on a GPU); run with --trace (trace=True) for torch.profiler traces of "
+            "them under tb/<format>/")
+
+
+def _no_trace_text(record: AuditRecord) -> str | None:
+    """tb/NO_PROFILER_TRACE.txt's text, when the audit timed steps without tracing them (the default on a GPU):
+    tb/ then holds only the audit's scalars, and says why (with ``--steps 0`` nothing was timed to trace)."""
+    if record.traces is None or record.traces.files or not record.options.steps:
+        return None
+    return f"No profiler trace in this audit: {record.traces.note}\n"
 
 
 def _absolute(p: Path) -> Path:
@@ -388,16 +373,25 @@ def compute_audit(opts: AuditOptions, progress: Progress | None = None, *,
     if subject is None:
         say("loading the model and the batch")
         subject = load_subject(opts)
-    setup = set_up(opts)
-    say(f"target {setup.target.name} ({setup.target_reason}); {setup.mode} mode on {setup.device}"
+    setup = set_up(opts, subject.model)
+    on = setup.device if setup.gpu_index is None else f"{setup.device}:{setup.gpu_index}"
+    say(f"target {setup.target.name} ({setup.target_reason}); {setup.mode} mode on {on}"
         f"{f' ({setup.kernels} kernels)' if setup.mode == 'emulated' else ''}; "
         f"formats: {', '.join(f.value for f in setup.formats) or 'none'}")
+    # "cuda" is the current CUDA device for every tensor, event and statistic of the audit: the model's own
+    with torch.cuda.device(setup.gpu_index) if setup.gpu_index is not None else contextlib.nullcontext():
+        return _compute(opts, setup, subject, say, session_factory)
+
+
+def _compute(opts: AuditOptions, setup: RunSetup, subject: Subject, say: Progress,
+             session_factory: Callable[..., Any] | None) -> AuditComputation:
+    """compute_audit's passes, analysis and plan, on the device ``setup`` resolved."""
     run = SubjectRun(subject.source, subject.batch, setup.device)
     config = CaptureConfig(formats=setup.formats, device=setup.device, mode=setup.mode, seed=opts.seed,
                            timed_steps=setup.steps, kernels=setup.kernels)
     model = subject.model
     with (session_factory or CaptureSession)(model, run.forward, run.loss_of, config, progress=say) as session:
-        capture, noise = _capture(session, setup, run, say)
+        capture, noise = _capture(session, setup, run, say, opts.trace)
         say("analysing")
         perf = _performance(capture, setup, model, say)
         fp, n_modules = fingerprint(model)
@@ -426,10 +420,10 @@ def _policy(model: torch.nn.Module, fp: str, n_modules: int, target: GpuSpec, pl
                         analysis.summaries.get(Format.TF32))
 
 
-def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Progress
+def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Progress, trace: bool = False
              ) -> tuple[CaptureResult, NoiseFloor | None]:
     """The FP32 reference, one pass per format (FP16 at the loss scale its gradients need), the noise floor
-    and the timed steps."""
+    and the timed steps (profiled too with ``trace``)."""
     formats = setup.formats
     say("FP32 reference pass (forward, backward, and each layer re-run alone per format)")
     session.reference_run()
@@ -451,8 +445,9 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
         say("FP32 noise floor: the reference re-run forward at a second reduction order")
         noise = measure_noise_floor(session, formats, full=False)
     if setup.steps:
-        say(f"profiling {setup.steps} timed step(s) per format on {setup.device} (after one warm-up step)")
-        session.timed_steps(setup.steps)
+        say(f"timing {setup.steps} step(s) per format on {setup.device} (after one warm-up step)"
+            + (", then profiling them for the traces" if trace else ""))
+        session.timed_steps(setup.steps, traces=trace)
     return session.result(), noise
 
 
@@ -555,8 +550,7 @@ def _record(opts: AuditOptions, setup: RunSetup, subject: Subject, run: SubjectR
         estimates=assemble.estimates(perf, target.name),
         memory=perf.memory,
         traces=R.Traces(dir="tb", files=sorted(f"tb/{k}" for k in capture.traces),
-                        note="torch.profiler traces of the timed steps (Chrome trace JSON: open in Perfetto, or "
-                             "TensorBoard with the torch-tb-profiler plugin: tensorboard --logdir <out>/tb)"),
+                        note=traces_note(bool(capture.traces), setup.steps, setup.mode)),
         alignment=assemble.section(R.AlignmentRanking, alignment),
         # the uniform FP16 pass's scale, and in "plan" the one re-derived for the modules the plan runs in FP16
         loss_scale=assemble.section(R.LossScale, analysis.loss_scale.to_dict(plan) if analysis.loss_scale else None),

@@ -76,6 +76,10 @@ class ModelRunError(AuditError):
     """The user's model raised while the audit ran it (its own error, with the module it happened in)."""
 
 
+class ModelInUseError(AuditError):
+    """The model is being audited already (another thread's audit, or an audit called from inside one)."""
+
+
 class NumericsError(AuditError):
     """The FP32 reference itself is not finite, so nothing can be compared against it."""
 
@@ -98,7 +102,7 @@ EXIT_INTERRUPTED = 130
 
 
 #: The oldest torch release precision-audit runs on. The test suite passes on 2.9.1, 2.11.0, 2.12.0 and 2.13.0
-#: (README.md, "torch releases"); 2.6 lacks what the audit uses: the ``fp32_precision`` TF32 switches,
+#: (docs/development.md, "torch releases"); 2.6 lacks what the audit uses: the ``fp32_precision`` TF32 switches,
 #: ``torch.float8_e8m0fnu`` (MX FP8) and FSDP2 on the gloo backend.
 MIN_TORCH = (2, 9)
 

@@ -123,6 +123,13 @@ class HardwareInfo:
     python_version: str
     platform: str
 
+    def gpu(self, index: int | None) -> GpuInfo | None:
+        """The detected GPU with CUDA (torch) device index ``index``; the first one for ``None``, and ``None``
+        when there is none."""
+        if index is None:
+            return self.gpus[0] if self.gpus else None
+        return next((g for g in self.gpus if g.index == index), None)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (``audit.json``'s ``hardware``)."""
         return {
@@ -378,10 +385,11 @@ def detect() -> HardwareInfo:
     return info
 
 
-def default_target(hw: HardwareInfo) -> tuple[GpuSpec, str]:
+def default_target(hw: HardwareInfo, index: int | None = None) -> tuple[GpuSpec, str]:
     """The target GPU to plan for when the user gives none, and why.
 
-    The first detected GPU when it is in the table; otherwise H100 SXM (``DEFAULT_TARGET_KEY``).
+    The detected GPU the audit runs on (CUDA device ``index``; the first one found for ``None``) when it is in the
+    table; otherwise H100 SXM (``DEFAULT_TARGET_KEY``).
 
     Example::
 
@@ -390,9 +398,9 @@ def default_target(hw: HardwareInfo) -> tuple[GpuSpec, str]:
         ('h100-sxm', 'no GPU detected; default target H100 SXM')
     """
     fallback = get_gpu(DEFAULT_TARGET_KEY)
-    if not hw.gpus:
+    gpu = hw.gpu(index) or hw.gpu(None)
+    if gpu is None:
         return fallback, f"no GPU detected; default target {fallback.name}"
-    gpu = hw.gpus[0]
     spec = match_detected(gpu.name, gpu.compute_capability, gpu.memory_bytes)
     if spec is None:
         reason = (
@@ -404,5 +412,6 @@ def default_target(hw: HardwareInfo) -> tuple[GpuSpec, str]:
         return fallback, reason
     reason = f"detected {gpu.name}"
     if len(hw.gpus) > 1:
-        reason += f" (GPU {gpu.index}, first of {len(hw.gpus)})"
+        reason += (f" (GPU {gpu.index} of {len(hw.gpus)}, the one the audit runs on)" if gpu.index == index
+                   else f" (GPU {gpu.index}, first of {len(hw.gpus)})")
     return spec, reason

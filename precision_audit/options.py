@@ -1,7 +1,8 @@
-"""What an audit is asked to do (:class:`AuditOptions`), and how the request meets this machine and the target:
-the device and mode, the timed steps, the formats audited and those skipped (with why).
+"""What an audit is asked to do (:class:`AuditOptions`), and how the request meets this machine and the target
+(:class:`RunSetup`): the device and mode, the timed steps, the formats audited and those skipped (with why).
 
-audit.py resolves them once at the start of an audit; ``precision-audit verify`` resolves its device here too.
+audit.py resolves them once at the start of an audit (:func:`set_up`); ``precision-audit verify`` resolves its
+device here too.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .analysis.findings import Budget
 from .capture.compiled import KERNEL_CHOICES
+from .capture.compiled import resolve as resolve_kernels
+from .capture.model_state import model_cuda_index
 from .errors import SEED_MAX, SEED_MIN, OptionError
 from .formats import CAPTURE_FORMATS, DEFAULT_FORMATS, Format, parse_formats
 from .fp8.audit import SKIP_REASON as FP8_SKIP_REASON
 from .fp8.audit import requested as fp8_requested
-from .gpus import GpuSpec
-from .hardware import HardwareInfo
+from .gpus import GpuSpec, resolve_target
+from .hardware import HardwareInfo, default_target, detect
 
 #: Format names AuditOptions.formats accepts as strings.
 _FORMAT_VALUES = frozenset(f.value for f in Format)
@@ -30,6 +35,11 @@ def _short_repr(value: Any, limit: int = 80) -> str:
     except Exception:  # a hostile __repr__ must not turn an OptionError into another error
         text = f"<{type(value).__name__} object>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+#: The most rows per training step ``--tokens-per-step`` takes: 2**40, a million times the largest steps trained
+#: today, and far inside a float's range (10**400 rows raised OverflowError in the FP8 cost model: exit 3).
+MAX_TOKENS_PER_STEP = 2 ** 40
 
 
 @dataclass(frozen=True)
@@ -54,12 +64,15 @@ class AuditOptions:
     kernels: str = "auto"
     #: rows per training step each linear is priced at in the FP8 plan; None: the audited batch's (docs/fp8.md)
     fp8_tokens_per_step: int | None = None
+    #: also run the timed steps under torch.profiler and keep its traces for tb/ (docs/gpu.md, "Timed steps")
+    trace: bool = False
 
     def __post_init__(self) -> None:
         self._coerce_and_check_types()
         t = self.fp8_tokens_per_step
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise OptionError("--tokens-per-step must be a whole number >= 1", found=repr(t),
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_TOKENS_PER_STEP):
+            raise OptionError(f"--tokens-per-step must be a whole number from 1 to {MAX_TOKENS_PER_STEP} (2**40)",
+                              found=_short_repr(t),
                               hint="the rows (batch x sequence) one training step feeds each linear, e.g. 65536")
         if t is not None and not fp8_requested(self.formats):
             raise OptionError("--tokens-per-step prices the FP8 plan, and no FP8 format is audited",
@@ -117,6 +130,8 @@ class AuditOptions:
                 raise wrong(name, "a str")
         if not isinstance(self.emulate, bool):
             raise wrong("emulate", "True or False")
+        if not isinstance(self.trace, bool):
+            raise wrong("trace", "True or False")
         if isinstance(self.steps, bool):
             raise wrong("steps", "None, or a whole number >= 0 (int)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -179,3 +194,48 @@ def select_formats(opts: AuditOptions, target: GpuSpec) -> tuple[tuple[Format, .
             hint="drop --formats, or pick another --target",
         )
     return tuple(chosen), skipped
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """The request met with this machine and the target: resolved once, before anything runs."""
+
+    hardware: HardwareInfo
+    target: GpuSpec
+    target_reason: str
+    formats: tuple[Format, ...]
+    skipped: list[dict[str, str]]
+    device: str
+    mode: str
+    steps: int
+    kernels: str
+    #: cuda mode: the CUDA device the audit runs on (the model's, else the current one; docs/gpu.md, "Devices")
+    gpu_index: int | None = None
+
+    @property
+    def time_label(self) -> str:
+        """Where measured times were measured, as audit.json labels them."""
+        gpu = self.hardware.gpu(self.gpu_index) if self.mode == "cuda" else None
+        if gpu is not None:
+            return f"{gpu.name} (cuda)"
+        return (f"this machine's {self.device.upper()} ("
+                + ("emulated numerics; CPU time, not a GPU estimate" if self.mode == "emulated" else "cuda") + ")")
+
+
+def set_up(opts: AuditOptions, model: torch.nn.Module | None = None) -> RunSetup:
+    """The hardware, the target, the formats, the device, the mode, the timed steps and the kernels. In cuda mode
+    the audit runs on the CUDA device ``model`` is on, else on the current one, and the default target is that
+    GPU (docs/gpu.md, "Devices")."""
+    hw = detect()
+    device, mode = resolve_device(opts.device, opts.emulate, hw)
+    index = None
+    if mode == "cuda":
+        index = model_cuda_index(model) if model is not None else None
+        index = torch.cuda.current_device() if index is None else index
+    if opts.target:
+        target, target_reason = resolve_target(opts.target), "chosen with --target"
+    else:
+        target, target_reason = default_target(hw, index)
+    formats, skipped = select_formats(opts, target)
+    return RunSetup(hw, target, target_reason, formats, skipped, device, mode, resolve_steps(opts.steps, mode),
+                    resolve_kernels(opts.kernels) if mode == "emulated" else "python", index)

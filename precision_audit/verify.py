@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from . import host_rng
-from .errors import SEED_MAX, SEED_MIN, ModelRunError, OptionError
-from .policy.schema import Policy, named_modules
+from .errors import SEED_MAX, SEED_MIN, ModelRunError, OptionError, PolicyError
+from .policy.schema import RUNTIME_FORMATS, Policy, named_modules
 from .record import VerifyResult
 from .tf32_switches import tf32_switches
 
@@ -81,6 +81,7 @@ def run_verify(model: torch.nn.Module, forward: Callable[[torch.nn.Module], Any]
             return torch.autocast("cuda", dtype=dtype)
         return emulated_autocast(dtype)
 
+    check_runtime_formats(policy)
     policy_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy.default_format)
     arms = [("fp32", None), ("policy", policy_dtype)]
     if check_fp8_arm(model, policy, mode, device):
@@ -256,6 +257,20 @@ def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> No
             with torch.autocast("cpu", enabled=False):
                 return _inner(x.to(dtype).float()).to(dtype)
         m.forward = forward
+
+
+def check_runtime_formats(policy: Policy) -> None:
+    """Refuse, before any arm trains, a policy whose default or module formats the runtime cannot apply (autocast has
+    no fp8; FP8 modules go in the policy's ``fp8`` section): its arm would fail after the FP32 arm had trained, and
+    the policy be called unsafe (exit 1) for what is a policy the runtime does not take (exit 2)."""
+    bad = {n or "(root)": o.format for n, o in policy.modules.items() if o.format not in RUNTIME_FORMATS}
+    if policy.default_format not in RUNTIME_FORMATS:
+        bad = {"(default)": policy.default_format, **bad}
+    if bad:
+        listing = ", ".join(f"{n}: {f}" for n, f in list(bad.items())[:12]) + (" ..." if len(bad) > 12 else "")
+        raise PolicyError(f"verify cannot train this policy: the runtime cannot put these modules in their format "
+                          f"(autocast has no fp8): {listing}", choices=RUNTIME_FORMATS,
+                          hint="FP8 modules belong in the policy's fp8 section (docs/fp8.md); or change the policy")
 
 
 def check_fp8_arm(model: torch.nn.Module, policy: Policy, mode: str, device: str = "cpu") -> bool:

@@ -17,7 +17,7 @@ How each part is faked:
   ``Tensor.cuda()``, ``pin_memory()``) to the CPU;
 - ``torch.autocast("cuda", dtype)``: CUDA autocast cannot act on CPU tensors, so it is routed to the
   project's emulation of CUDA autocast (``CudaAutocastPolicy`` + ``torch.autocast("cpu", dtype)``; see
-  README "How GPU numerics are measured without a GPU"), and ``torch.is_autocast_enabled("cuda")`` /
+  docs/emulation.md, "In short"), and ``torch.is_autocast_enabled("cuda")`` /
   ``torch.get_autocast_dtype("cuda")`` answer for it;
 - NVML: a fake ``pynvml`` module (the calls ``precision_audit/hardware.py`` makes) reports the same GPU;
 - the profiler is asked for CPU activity only (Kineto has no CUDA here);
@@ -256,6 +256,8 @@ class FakeCuda:
 
     device_count: int = 1
     props: FakeDeviceProperties = field(default_factory=FakeDeviceProperties)
+    #: per device index, when the GPUs differ (``props`` for an index not listed); see :meth:`_enter_devices`
+    device_props: tuple[FakeDeviceProperties, ...] = ()
     memory: FakeMemory = field(default_factory=FakeMemory)
     synchronize_calls: int = 0
     events_created: int = 0
@@ -269,16 +271,18 @@ class FakeCuda:
         self._mode: _CudaToCpu | None = None
         self._policy: Any = None
         self._seed_all(0)
+        self.current = 0  # the current device (torch.cuda.set_device / torch.cuda.device)
+        self._fake_nvml: types.ModuleType | None = None
 
     # -- torch.cuda replacements ----------------------------------------------------------------------
     def _index(self, device: Any = None) -> int:
         if device is None:
-            return 0
+            return self.current
         if isinstance(device, int):
             i = device
         else:
             d = torch.device(device) if isinstance(device, str) else device
-            i = d.index or 0
+            i = d.index if d.index is not None else self.current
         if not 0 <= i < self.device_count:
             raise RuntimeError(f"CUDA error: invalid device ordinal {i}")
         return i
@@ -352,6 +356,7 @@ class FakeCuda:
         }
         for name, value in patches.items():
             self._patch(c, name, value)
+        self._enter_devices()
 
         real_autocast = torch.amp.autocast_mode.autocast
 
@@ -386,7 +391,7 @@ class FakeCuda:
 
         self._patch(torch.profiler.profile, "__init__", profile_init)
         self._saved.append((sys.modules, "pynvml", sys.modules.get("pynvml", _MISSING)))
-        sys.modules["pynvml"] = _fake_pynvml(props, self.device_count)
+        sys.modules["pynvml"] = self._fake_nvml or _fake_pynvml(props, self.device_count)
         self._policy = CudaAutocastPolicy()
         self._policy.__enter__()
         self._mode = _CudaToCpu()
@@ -402,6 +407,49 @@ class FakeCuda:
         self._host_modes = [_PinnedAndDropout(self)] + ([_DtypeDependentDropout()] if self.cuda_dropout else [])
         for m in self._host_modes:
             m.__enter__()
+
+    def _props_of(self, i: int) -> FakeDeviceProperties:
+        return self.device_props[i] if i < len(self.device_props) else self.props
+
+    def _enter_devices(self) -> None:
+        """Several GPUs, each its own (``device_props``), and a current device: ``set_device``, the
+        ``torch.cuda.device(i)`` context, ``current_device``; a device argument of ``None`` or plain ``"cuda"`` is
+        the current one, as in torch. Tensors stay CPU tensors whatever their index."""
+        c, fake = torch.cuda, self
+
+        class device:  # noqa: N801 - torch's spelling
+            def __init__(self, d: Any) -> None:
+                self.idx = -1 if d is None else (d if isinstance(d, int) else torch.device(d).index)
+                self.idx = -1 if self.idx is None else self.idx
+
+            def __enter__(self) -> None:
+                self.prev = fake.current
+                if self.idx >= 0:
+                    fake.current = fake._index(self.idx)
+
+            def __exit__(self, *exc: Any) -> None:
+                fake.current = self.prev
+
+        def manual_seed(seed: int) -> None:  # the current device's generator, as torch.cuda.manual_seed
+            fake._rng[fake.current] = fake._state(int(seed), 0)
+
+        patches = {
+            "device": device,
+            "current_device": lambda: fake.current,
+            "set_device": lambda d: setattr(fake, "current", fake._index(d)),
+            "get_device_properties": lambda d=None: fake._props_of(fake._index(d)),
+            "get_device_name": lambda d=None: fake._props_of(fake._index(d)).name,
+            "get_device_capability": lambda d=None: (lambda p: (p.major, p.minor))(fake._props_of(fake._index(d))),
+            "manual_seed": manual_seed,
+        }
+        for name, value in patches.items():
+            self._patch(c, name, value)
+        if self.device_props:  # NVML names each device as torch does
+            nvml = _fake_pynvml(self.props, self.device_count)
+            nvml.nvmlDeviceGetName = lambda h: fake._props_of(h).name
+            nvml.nvmlDeviceGetCudaComputeCapability = lambda h: (fake._props_of(h).major, fake._props_of(h).minor)
+            nvml.nvmlDeviceGetUUID = lambda h: fake._props_of(h).uuid[:-1] + str(h)
+            self._fake_nvml = nvml
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

@@ -310,6 +310,7 @@ def test_result_methods_match_the_command_line(tmp_path):
 
 def test_progress_uses_tqdm_auto(monkeypatch):
     import tqdm.auto
+    import tqdm.std
 
     bars = []
 
@@ -328,6 +329,8 @@ def test_progress_uses_tqdm_auto(monkeypatch):
             self.closed = True
 
     monkeypatch.setattr(tqdm.auto, "tqdm", FakeBar)
+    # without ipywidgets the bar is tqdm.std's (tqdm.auto would warn "IProgress not found" in a notebook first)
+    monkeypatch.setattr(tqdm.std, "tqdm", FakeBar)
     torch.manual_seed(0)
     precision_audit.audit(_Tiny(), torch.randn(4, 8), steps=0, formats="bf16")
     assert len(bars) == 1 and bars[0].closed and bars[0].n >= 3
@@ -386,7 +389,7 @@ def test_repr_html_renders_in_a_browser(tmp_path):
 
 def test_save_writes_the_profiler_traces_of_the_timed_steps(tmp_path):
     torch.manual_seed(0)
-    r = precision_audit.audit(_Tiny(), torch.randn(4, 8), steps=1, formats="bf16", progress=False)
+    r = precision_audit.audit(_Tiny(), torch.randn(4, 8), steps=1, formats="bf16", progress=False, trace=True)
     traces = r.audit["traces"]["files"]
     assert traces and r.files == []
     r.save(tmp_path / "t")

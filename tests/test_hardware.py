@@ -259,3 +259,11 @@ def test_hardware_to_dict_round_trips_through_json() -> None:
     assert data["gpus"][0]["tensor_core_formats"] == ["fp16"]
     assert set(data) == {"cpu", "gpus", "cuda_available", "torch_version", "cuda_version", "nvml_status",
                          "python_version", "platform"}
+
+
+def test_default_target_is_the_gpu_the_audit_runs_on() -> None:
+    hw = _hw(_gpu("NVIDIA L4", (8, 9)), _gpu("NVIDIA A10", (8, 6), 1))
+    spec, why = default_target(hw, 1)
+    assert spec.key == "a10"
+    assert why == "detected NVIDIA A10 (GPU 1 of 2, the one the audit runs on)"
+    assert hw.gpu(1) is hw.gpus[1] and hw.gpu(None) is hw.gpus[0] and hw.gpu(5) is None

@@ -294,7 +294,7 @@ def _summary(run: RunRecord, ref_loss: float, budget: Budget, fp32_bad: Fp32NonF
         if oe_hi > budget.max_output_rel_error:
             problems.append(f"output error {_figure(oe_pair, out_err)} > budget {budget.max_output_rel_error:g}")
     # Only the non-finite gradients this format adds (positions finite in FP32) count against it: FP32's own
-    # are the model's problem, reported once in summary.fp32.nonfinite (README.md, audit.json).
+    # are the model's problem, reported once in summary.fp32.nonfinite (docs/report.md, "audit.json at a glance").
     if run.param_grads_nonfinite:
         problems.append(f"{run.param_grads_nonfinite} non-finite parameter gradient element(s) at loss scale "
                         f"{run.loss_scale:g} where FP32's are finite")

@@ -30,23 +30,34 @@ from ..gpus import GpuSpec, match_detected
 MAX_TIMED_GEMMS = 16  # distinct GEMMs timed in isolation for achieved TFLOP/s, largest first
 
 
-def _time_callable(fn: Callable[[], Any], repeats: int = 20) -> float:
-    """Median seconds of ``fn()`` on the current CUDA stream, after 3 warm-up calls."""
+#: Calls timed between one pair of CUDA events (docs/gpu.md, "GEMM timings").
+CALLS_PER_TIMING = 10
+
+
+def _time_callable(fn: Callable[[], Any], repeats: int = 5, calls: int = CALLS_PER_TIMING) -> float:
+    """Median seconds of one ``fn()`` on the current CUDA stream, after 3 warm-up calls.
+
+    One pair of events brackets ``calls`` back-to-back calls, and the start event is queued behind one more call:
+    an event recorded on an idle GPU fires at once, so a pair around a single call would also time the host's
+    launch of that call (microseconds, the size of a small GEMM). Queued behind a running kernel, the start fires
+    when the GPU is already busy with the calls to time; the launch gap left is spread over ``calls``."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(repeats):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()  # the GPU is busy when the start event is reached
         s.record()
-        fn()
+        for _ in range(calls):
+            fn()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+        times.append(s.elapsed_time(e) / 1e3 / calls)
     times.sort()
     return times[len(times) // 2]
 
 
-def time_gemm(m: int, n: int, k: int, batch: int, dtype: torch.dtype, device: str, repeats: int = 20) -> float:
+def time_gemm(m: int, n: int, k: int, batch: int, dtype: torch.dtype, device: str, repeats: int = 5) -> float:
     """Median seconds of one ``[batch, m, k] @ [batch, k, n]`` on ``device`` (CUDA only)."""
     if not device.startswith("cuda"):
         raise ValueError("time_gemm needs a CUDA device")
@@ -55,7 +66,7 @@ def time_gemm(m: int, n: int, k: int, batch: int, dtype: torch.dtype, device: st
     return _time_callable(lambda: torch.bmm(a, b), repeats)
 
 
-def time_conv(spec: ConvSpec, dtype: torch.dtype, device: str, repeats: int = 20) -> float:
+def time_conv(spec: ConvSpec, dtype: torch.dtype, device: str, repeats: int = 5) -> float:
     """Median seconds of the convolution ``spec`` describes, on ``device`` (CUDA only)."""
     if not device.startswith("cuda"):
         raise ValueError("time_conv needs a CUDA device")

@@ -1,7 +1,7 @@
 """Alignment, cost and memory findings: how fast each format would be on the target, and what it holds.
 
 Estimates come from the cost model (cost.py) and are labelled as estimates; measured figures come from the
-capture's profiled steps and saved-tensor counts and are labelled with where they were measured.
+capture's timed steps and saved-tensor counts and are labelled with where they were measured.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class Performance:
     kernels: int = 0
     #: kernels x the per-kernel floor: no format's estimated step is below it (analysis/cost.py)
     floor_s: float = 0.0
+    #: per format, the ops outside every module (the loss): in ``step_time_s``, in no layer's cost
+    outside_step_time_s: dict[str, float] = field(default_factory=dict)
 
 
 def _element_bytes(rec: LayerRecord, fmt: Format) -> int:
@@ -178,6 +180,12 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
                                      other_ops=rec.ops.other_ops, other_elements=rec.ops.other_elements,
                                      estimated_step_time_s=per_fmt)
         layers[rec.name] = LayerPerformance(alignment, cost, dict(rec.saved_bytes), dict(rec.measured_time_s))
+    outside = capture.outside_ops  # the loss: part of the step, in no module's record
+    loss_s = {f.value: layer_cost(outside, f, target, 4).step_time_s for f in est_formats} \
+        if outside.gemms or outside.other_ops else {}
+    for k, v in loss_s.items():
+        totals[k] += v
+    kernels += step_kernels(outside)
     base = totals.get("fp32") or 0.0
     speedup = {k: (base / v if v > 0 else None) for k, v in totals.items()}
     memory = _memory(capture, param_bytes, trainable_params)
@@ -187,8 +195,12 @@ def performance(capture: CaptureResult, target: GpuSpec, module_shapes: dict[str
         fastest = min(totals.values())
         assumptions += (f"this model: {kernels:,} kernels per step, so no step is estimated below "
                         f"{floor * 1e6:.4g} µs ({floor / fastest:.0%} of the fastest format's estimate)",)
+    if loss_s:  # in the step, in no layer's cost (audit.json's layers add up to the step less this)
+        assumptions += ("the ops outside the model's modules (the loss): "
+                        + ", ".join(f"{k} {v * 1e6:.6g} µs" for k, v in loss_s.items()) + " of each step",)
     return Performance(layers=layers, step_time_s=totals, speedup_vs_fp32=speedup, formats=est_formats,
-                       memory=memory, assumptions=assumptions, kernels=kernels, floor_s=floor)
+                       memory=memory, assumptions=assumptions, kernels=kernels, floor_s=floor,
+                       outside_step_time_s=loss_s)
 
 
 PEAK_BASIS = ("peak GPU allocation of one clean (uninstrumented) forward+backward step above what was allocated "

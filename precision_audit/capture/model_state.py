@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
+
+
+def concrete_device(device: str | torch.device) -> torch.device:
+    """``device`` with its index: plain ``"cuda"`` is the current CUDA device (what ``Tensor.to("cuda")`` uses),
+    so that it compares equal with the device of a tensor already there."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def model_cuda_index(model: torch.nn.Module) -> int | None:
+    """The CUDA device index every parameter and buffer of ``model`` is on; ``None`` when the model is not on
+    CUDA, or spread over several devices (docs/gpu.md, "Devices")."""
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+    if len(devices) != 1:
+        return None
+    (d,) = devices
+    return concrete_device(d).index if d.type == "cuda" else None
 
 
 #: Module attributes holding hook dictionaries: their *contents* are put back (no hook left behind, the user's
@@ -32,7 +52,7 @@ class ModelState:
 
     def __init__(self, model: torch.nn.Module, device: str) -> None:
         self.model = model
-        self.device = torch.device(device)
+        self.device = concrete_device(device)
         self.modules = list(model.modules())
         self._dicts: list[tuple[torch.nn.Module, dict[str, Any], dict[str, dict]]] = []
         for m in self.modules:

@@ -8,8 +8,8 @@ the format passes or the audit's own statistics). Per op it
 - counts the op under the innermost module running it, unless it only moves or relabels data: a module with
   ops of its own *computes*, and one whose own ops are additions only is a container that is not re-run
   (docs/memory.md, "Local re-runs");
-- records GEMM-family ops with their shapes, and the elements every other op reads and writes
-  (capture/ops.py), for the cost model.
+- records GEMM-family ops with their shapes, and the elements every other op reads and writes, and the bytes
+  it would move under fp16/bf16 autocast (capture/ops.py, ``AutocastWidths``), for the cost model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelRunError
-from .ops import record_op
+from .ops import AutocastWidths, ModuleOps, record_op
 from .shards import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ class OpTracker(TorchDispatchMode):
         super().__init__()
         self.session = session
         self.param_ptrs: set[int] = {local_tensor(p).untyped_storage().data_ptr() for p in session.model.parameters()}
+        self.widths = AutocastWidths()
+        session._outside_ops = ModuleOps()  # the ops outside every module (the loss), for the cost model
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -74,11 +76,18 @@ class OpTracker(TorchDispatchMode):
         if written and not s._rerunning:
             self._refuse_parameter_write(func, written, args, kwargs)
         out = func(*args, **kwargs)
-        if not s._rerunning and s._stack and not func.is_view and func not in _NON_COMPUTE:
+        if s._rerunning:
+            return out
+        low_bytes, cast_bytes = self.widths.after(func, args, kwargs, out)
+        if func.is_view or func in _NON_COMPUTE:
+            return out
+        if s._stack:
             s._own_ops[-1] += 1
             if func not in _ADDS:
                 s._own_work[-1] += 1
-            record_op(s._layer(s._modules[s._stack[-1]]).ops, func, args, kwargs, out)
+            record_op(s._layer(s._modules[s._stack[-1]]).ops, func, args, kwargs, out, low_bytes, cast_bytes)
+        else:  # the loss, computed on the model's output: part of the step, in no module's record
+            record_op(s._outside_ops, func, args, kwargs, out, low_bytes, cast_bytes)
         return out
 
     def _refuse_parameter_write(self, func: Any, written: tuple[tuple[int, str], ...], args: tuple,

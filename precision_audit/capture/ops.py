@@ -8,6 +8,7 @@ features, channels, head dim). FLOPs come from ``torch.utils.flop_counter`` wher
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ class GemmOp:
     # whether CUDA autocast lowers it to fp16/bf16; one it does not (torch._grouped_mm) runs at its inputs' dtype
     # under autocast, and the cost model prices it so (analysis/cost.py)
     lowered: bool = True
+    #: bytes of the casts CUDA's fp16/bf16 autocast runs before it (its fp32 operands read, their copies written;
+    #: AutocastWidths): the cost model prices them with it, and the cast of their gradients back in its backward
+    cast_bytes: int = 0
 
     def key(self) -> tuple:
         return (self.op, self.kind, self.m, self.n, self.k, self.batch)
@@ -178,6 +182,9 @@ if hasattr(_aten, "_scaled_dot_product_cudnn_attention"):
     register_gemm(_aten._scaled_dot_product_cudnn_attention.default, _sdpa_cpu)
 if hasattr(_aten, "_grouped_mm"):
     register_gemm(_aten._grouped_mm.default, _grouped_mm)
+#: GEMM-family ops CUDA autocast does not lower: they run at their inputs' width (AutocastWidths)
+_NOT_LOWERED = frozenset([_aten._grouped_mm.default] if hasattr(_aten, "_grouped_mm") and not _GROUPED_MM_LOWERED
+                         else [])
 
 
 @dataclass
@@ -190,6 +197,9 @@ class ModuleOps:
     #: elements read + written per non-GEMM op -> how many ops moved that many: the cost model prices each op
     #: (each kernel) on its own, with its floor (analysis/cost.py)
     other_sizes: dict[int, int] = field(default_factory=dict)
+    #: bytes each non-GEMM op would read + write under CUDA's fp16/bf16 autocast (:class:`AutocastWidths`) -> how
+    #: many ops: what the cost model prices a low-precision step's other ops at (empty: not recorded)
+    other_low_bytes: dict[int, int] = field(default_factory=dict)
 
     def add_gemm(self, g: GemmOp) -> None:
         key = g.key()
@@ -211,12 +221,15 @@ def _elements(x: Any) -> int:
     return n
 
 
-def record_op(ops: ModuleOps, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """Add one executed op to a module's tally."""
+def record_op(ops: ModuleOps, func: Any, args: tuple, kwargs: dict, out: Any, low_bytes: int | None = None,
+              cast_bytes: int = 0) -> None:
+    """Add one executed op to a module's tally; ``low_bytes``: the bytes it would move under fp16/bf16 autocast,
+    ``cast_bytes``: the bytes of the casts autocast would add before it (a GEMM's fp32 operands)."""
     reader = GEMM_REGISTRY.get(func)
     if reader is not None:
         try:
-            ops.add_gemm(reader(args, kwargs, out))
+            g = reader(args, kwargs, out)
+            ops.add_gemm(dataclasses.replace(g, cast_bytes=cast_bytes) if cast_bytes else g)
             return
         except Exception:  # an unusual overload or layout: count its bytes rather than guess its GEMM
             pass
@@ -224,3 +237,73 @@ def record_op(ops: ModuleOps, func: Any, args: tuple, kwargs: dict, out: Any) ->
     ops.other_ops += 1
     ops.other_elements += n
     ops.other_sizes[n] = ops.other_sizes.get(n, 0) + 1
+    if low_bytes is not None:
+        ops.other_low_bytes[low_bytes] = ops.other_low_bytes.get(low_bytes, 0) + 1
+
+
+def _base_name(func: Any) -> str:
+    """``aten::native_layer_norm`` -> ``layer_norm``, ``aten::_log_softmax`` -> ``log_softmax``,
+    ``aten::nll_loss_forward`` -> ``nll_loss``: the name CUDA autocast's lists give the op it decomposes from."""
+    name = str(getattr(func, "_schema", None) and func._schema.name or func).split("::")[-1].split(".")[0]
+    name = name.lstrip("_").removeprefix("native_")
+    return name.removesuffix("_forward")
+
+
+#: Ops CUDA autocast runs in fp32 whatever their inputs (its fp32 lists), by base name (:func:`_base_name`).
+_AUTOCAST_FP32 = frozenset(k.split(".")[0].lstrip("_") for k, p in CUDA_POLICY.items()
+                           if p in (CastPolicy.FP32, CastPolicy.FP32_SET_OPT_DTYPE, CastPolicy.FP32_APPEND_DTYPE))
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AutocastWidths:
+    """The element width (bytes) each floating tensor of the FP32 reference forward would have under CUDA's
+    fp16/bf16 autocast, followed op by op: a GEMM autocast lowers writes 2 bytes, an op of its fp32 lists 4, any
+    other op the widest of its inputs (0-dim tensors aside, as torch's type promotion), a view or copy its input's,
+    and a tensor the forward did not make (parameters, buffers, the batch) its own. :meth:`after` gives the bytes an
+    op would read and write there, so that the cost model prices softmax, norms and fp32 residual streams at 4 bytes
+    and what follows a GEMM at 2 (analysis/cost.py), rather than each module's ops at its outputs' width."""
+
+    def __init__(self) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self._width: Any = WeakIdKeyDictionary()
+
+    def _of(self, t: torch.Tensor) -> int:
+        w = self._width.get(t)
+        return int(w) if w is not None else t.element_size()
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+        """Record the widths of ``func``'s outputs; returns the bytes it would read and write under autocast, and
+        those of the casts autocast would add before it (each fp32 operand of a GEMM it lowers: read 4, write 2
+        bytes per element)."""
+        ins = [t for t in _flat((args, kwargs)) if t.is_floating_point()]
+        outs = [t for t in _flat(out) if t.is_floating_point()]
+        read = sum(t.numel() * self._of(t) for t in ins)
+        dtype = kwargs.get("dtype")
+        cast = 0
+        if func in GEMM_REGISTRY and (func not in _NOT_LOWERED):
+            width = 2
+            cast = sum(t.numel() for t in ins if self._of(t) == 4) * 6
+            read -= cast // 3  # the GEMM reads the 2-byte copies
+        elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            width = 2 if dtype in _LOW_DTYPES else dtype.itemsize
+        elif _base_name(func) in _AUTOCAST_FP32:
+            width = 4
+        elif func.is_view or func in (_aten.clone.default, _aten._to_copy.default, _aten.detach.default):
+            width = self._of(ins[0]) if ins else 4
+        else:
+            shaped = [self._of(t) for t in ins if t.dim() > 0] or [self._of(t) for t in ins]
+            width = max(shaped, default=4)
+        for t in outs:
+            self._width[t] = width
+        return read + sum(t.numel() for t in outs) * width, cast
+
+
+def _flat(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _flat(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _flat(v)]
+    return []

@@ -85,7 +85,7 @@ class LayerRecord:
     notes: list[str] = field(default_factory=list)
     ops: ModuleOps = field(default_factory=ModuleOps)  # what it computed itself in the FP32 forward
     saved_bytes: dict[str, int] = field(default_factory=dict)  # "fp32"/format -> activation bytes saved for backward
-    measured_time_s: dict[str, float] = field(default_factory=dict)  # format -> profiled time per step (inclusive)
+    measured_time_s: dict[str, float] = field(default_factory=dict)  # format -> instrumented time per step (inclusive)
 
 
 @dataclass
@@ -123,3 +123,5 @@ class CaptureResult:
     memory: dict[str, dict[str, int]] = field(default_factory=dict)
     traces: dict[str, bytes] = field(default_factory=dict)  # file name -> profiler trace (for tb/)
     time_label: str = ""
+    #: the ops the reference forward ran outside every module (the loss), for the cost model's step
+    outside_ops: ModuleOps = field(default_factory=ModuleOps)

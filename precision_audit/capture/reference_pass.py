@@ -13,7 +13,6 @@ session's per-pass state); it holds no state of its own.
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 import weakref
@@ -26,6 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .. import host_rng
 from ..errors import ModelRunError, NumericsError
 from ..formats import Format
+from .call_args import copy_arguments
 from .failures import RunFailure
 from .gemm_mode import is_missing_low_precision_kernel
 from .model_state import module_attributes, put_attributes_back
@@ -75,11 +75,8 @@ def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_
     re-runs start from the FP32 input (and write into the copy, not into the FP32 pass's tensors)."""
     ts = _tensors_in((args, kwargs))
     if getattr(m, "inplace", False) is True and ts:
-        memo: dict[int, Any] = {id(t): t.detach().clone() for t in ts}
-        try:
-            copied = copy.deepcopy((args, kwargs), memo)
-        except Exception:  # an argument that cannot be copied: not re-run if the call changes its input (IN_PLACE_NOTE)
-            copied = None
+        # None: an argument that cannot be copied: not re-run if the call changes its input (IN_PLACE_NOTE)
+        copied = copy_arguments((args, kwargs), clone_tensors=True)
         if copied is not None:
             return PreCall(rng, copied, draw_start, [t._version for t in ts], True, user_region, module_attributes(m))
     return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, user_region,
@@ -307,7 +304,9 @@ class ReferencePass(SessionState):
                 fs = rec.formats[fmt]
                 self._set_rng_state(pre_rng)
                 if snapshot is not None:  # what the call may have changed (a KV cache, its input): as it was before
-                    args, kwargs = copy.deepcopy(snapshot)
+                    # a fresh copy of the objects each time; the tensors shared, or cloned where the module writes
+                    # its input (capture/call_args.py); the snapshot itself if it cannot be copied again
+                    args, kwargs = copy_arguments(snapshot, clone_tensors=pre.copied) or snapshot
                 try:
                     try:
                         out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.user_region)
@@ -523,16 +522,12 @@ def _holds_objects(value: Any) -> bool:
 
 def snapshot_state(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """A copy of the call's arguments taken before it runs, when they hold mutable objects (a KV cache the
-    call appends to): the local re-runs must see them as the call did. Tensors are not copied (memo)."""
+    call appends to): the local re-runs must see them as the call did. Tensors, wherever they are inside the
+    objects, are not copied (capture/call_args.py); an object that cannot be copied: None, and the re-runs use the
+    live arguments."""
     if not (_holds_objects(args) or _holds_objects(kwargs)):
         return None
-    memo: dict[int, Any] = {}
-    for t in _tensors_in((args, kwargs)):
-        memo[id(t)] = t
-    try:
-        return copy.deepcopy((args, kwargs), memo)
-    except Exception:  # an object that cannot be copied: the re-runs use the live arguments
-        return None
+    return copy_arguments((args, kwargs), clone_tensors=False)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:

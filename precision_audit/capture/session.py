@@ -13,7 +13,7 @@ each module call to the pass that is running. The passes live in their own modul
 
 - capture/reference_pass.py: the FP32 reference, each computing module re-run alone per format (local error);
 - capture/format_pass.py: one pass per format (accumulated error), and the plan's verification forward;
-- capture/timing.py: the profiled and clean timed steps;
+- capture/timing.py: the clean, instrumented and (on request) profiled timed steps;
 - capture/op_tracker.py: which ops each module runs itself, during the reference forward;
 - capture/model_state.py: what the passes change on the model, and its exact restore.
 
@@ -50,6 +50,7 @@ from .gemm_mode import TF32_EMULATION, Tf32GemmMode
 from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
+from .ops import ModuleOps
 from .output_grads import OutputGradHooks
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
@@ -146,7 +147,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.reference: RunRecord | None = None
         self.runs: dict[Format, RunRecord] = {}
         # parameter -> where its FP32 gradient is not finite (only parameters that have such positions): a format
-        # pass is judged on the non-finite gradients it adds, not on FP32's own (README.md, audit.json)
+        # pass is judged on the non-finite gradients it adds, not on FP32's own (docs/report.md)
         self._ref_grad_nonfinite: dict[int, torch.Tensor] = {}
         self.step_times: dict[str, list[float]] = {}
         self.memory: dict[str, dict[str, int]] = {}
@@ -160,7 +161,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._pre_rng: list[Any] = []
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
         self._draw_mismatches = 0
-        self._rerunning = False
+        self._rerunning, self._outside_ops = False, ModuleOps()  # ops outside every module: the loss (op_tracker.py)
         # Calls on the batch itself (capture/reference_pass.py, BatchCall): the root call's tensor arguments with
         # their versions, and (module, call) -> what the format passes need to measure the call's local error
         self._batch_tensors: dict[int, tuple[torch.Tensor, int]] = {}
@@ -314,7 +315,9 @@ class CaptureSession(ReferencePass, FormatPasses):
             return
         dtype = LOW_PRECISION_DTYPES[fmt]
         if self.config.mode == "cuda":
-            with torch.autocast("cuda", dtype=dtype):
+            # TF32 off, as in the FP32 reference and its local re-runs: what autocast leaves in fp32 is strict fp32
+            # in every pass, as the emulation computes it (docs/gpu.md, "TF32 switches")
+            with tf32_switches(matmul=False, cudnn=False), torch.autocast("cuda", dtype=dtype):
                 yield
         else:
             with emulated_autocast(dtype, self._gemm if self._use_gemm_mode else None):
@@ -333,10 +336,13 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     @contextlib.contextmanager
     def _backward_context(self, fmt: Format | None = None) -> Iterator[None]:
-        """The backward of a ``fmt`` pass: TF32's gradient GEMMs on TF32 too; emulated fp16/bf16 under the
-        fp32-fallback dispatch mode once it is on."""
+        """The backward of a ``fmt`` pass: TF32's gradient GEMMs on TF32 too, fp16/bf16's with TF32 off on CUDA;
+        emulated fp16/bf16 under the fp32-fallback dispatch mode once it is on."""
         if fmt is Format.TF32:
             with self._tf32():
+                yield
+        elif self.config.mode == "cuda":  # TF32 off, as in the forward (_autocast)
+            with tf32_switches(matmul=False, cudnn=False):
                 yield
         elif self.config.mode == "emulated" and self._use_gemm_mode:
             with self._gemm:
@@ -552,8 +558,9 @@ class CaptureSession(ReferencePass, FormatPasses):
         if note not in rec.notes:
             rec.notes.append(note)
 
-    def timed_steps(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
-        """Per format, ``steps`` profiled steps, then ``steps`` clean ones (capture/timing.py)."""
+    def timed_steps(self, steps: int, traces: bool = False) -> dict[str, list[float]]:
+        """Per format, ``steps`` clean steps, then ``steps`` instrumented ones; with ``traces``, ``steps``
+        profiled ones per format for the traces (capture/timing.py)."""
         return self._timer.run(steps, traces)
 
     def result(self) -> CaptureResult:
@@ -588,5 +595,6 @@ class CaptureSession(ReferencePass, FormatPasses):
             + self._reseeds.warning(),
             memory=dict(self.memory),
             traces=dict(self.traces),
+            outside_ops=self._outside_ops,
         )
 

@@ -381,7 +381,7 @@ class ErrorStats:
     max_abs: float = 0.0
     nonfinite: int = 0  # non-finite elements in y_p where y is finite
     # Elements where the reference y itself is not finite: left out of every metric above, so that a format is
-    # judged only on what it adds to FP32 (README.md, "FP32's own non-finite values").
+    # judged only on what it adds to FP32 (docs/report.md, "FP32's own non-finite values").
     ref_nonfinite: int = 0
 
     def update(self, ref: torch.Tensor, p: torch.Tensor) -> None:

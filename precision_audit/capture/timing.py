@@ -1,16 +1,19 @@
-"""The timed steps: profiled steps (traces, per-module times) and clean ones (step times, CUDA peak memory).
+"""The timed steps: clean steps (step times, CUDA peak memory), instrumented steps (per-module forward times) and,
+when asked (``--trace``), profiled steps for the traces (docs/gpu.md, "Timed steps").
 
 :class:`StepTimer` belongs to one :class:`~precision_audit.capture.session.CaptureSession`: it runs whole
 training steps (forward and backward, no optimizer) on the session's model through the session's own reset,
 autocast and hooks, and keeps its own timing state. The session's module hooks call :meth:`StepTimer.pre` and
-:meth:`StepTimer.post` while a profiled step runs (phase ``"profile"``).
+:meth:`StepTimer.post` while an instrumented or profiled step runs (phase ``"profile"``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,9 +25,17 @@ from ..formats import Format
 if TYPE_CHECKING:
     from .session import CaptureSession
 
+log = logging.getLogger(__name__)
+
+
+def has_compiled_parts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a ``torch.compile``'d submodule (its OptimizedModule wrapper)."""
+    return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+
 
 class StepTimer:
-    """Per format, profiled steps then clean steps on a session's model (see :meth:`run`)."""
+    """Per format, clean steps then instrumented steps on a session's model; profiled ones on request (see
+    :meth:`run`)."""
 
     def __init__(self, session: CaptureSession) -> None:
         self.s = session
@@ -33,68 +44,94 @@ class StepTimer:
         self._pending_events: list[tuple[int, Any, Any]] = []
         self._step_layer_times: dict[int, float] = {}
         self._layer_times: dict[int, list[float]] = {}
+        #: cuda mode, a model with torch.compile'd parts: the clean steps run them compiled (None: not tried yet)
+        self._compiled: bool | None = None
 
-    def run(self, steps: int, traces: bool = True) -> dict[str, list[float]]:
-        """Per format, ``steps`` profiled steps, then ``steps`` clean ones (each after one warm-up step).
+    def run(self, steps: int, traces: bool = False) -> dict[str, list[float]]:
+        """Per format, one warm-up and ``steps`` clean steps, then ``steps`` instrumented ones; with ``traces``,
+        after every format, ``steps`` profiled steps per format under one ``torch.profiler`` session.
 
-        Profiled steps run under torch.profiler with module forwards marked ``module::<name>`` in the traces
-        and timed (CPU: wall clock; CUDA: a pair of events per module call); they give the traces (Chrome /
-        Perfetto JSON, what TensorBoard's profiler plugin reads; kept in the session's ``traces`` for the caller
-        to write atomically) and the per-module times. Clean steps run with no profiler, no hooks and no events:
-        they give the step times and, on CUDA, the peak memory of a step above what was allocated before it.
+        Clean steps run with no profiler, no hooks and no per-module events, and on CUDA a compiled model's
+        compiled parts run compiled: they give the step times (a pair of CUDA events around each step on a GPU,
+        the wall clock on a CPU) and, on CUDA, the peak memory of a step above what was allocated before it.
+        Instrumented steps mark each module's forward (``module::<name>``) and time it (CUDA: a pair of events
+        per call; CPU: the wall clock), eagerly: they give the per-module times. Profiled steps (one warm-up each
+        format, the profiler's start-up paid once) give the traces (Chrome / Perfetto JSON, what TensorBoard's
+        profiler plugin reads; kept in the session's ``traces`` for the caller to write atomically).
         """
         s = self.s
+        timed: list[Format | None] = []
         for fmt in (None, *s.config.formats):
             key = "fp32" if fmt is None else fmt.value
             if fmt is not None and s.runs.get(fmt) and s.runs[fmt].error:
                 continue
+            timed.append(fmt)
+            s.step_times[key] = self._clean_steps(fmt, steps)
             self._layer_times = {}
-            self._profiled(fmt, key, steps, traces)
+            for _ in range(steps):
+                self._instrumented_step(fmt)
+                self._collect_layer_times()
             for mid, ts in self._layer_times.items():
                 if ts:
-                    s._layer(s._modules[mid]).measured_time_s[key] = min(ts) if steps else 0.0
-            s.step_times[key] = self._clean_steps(fmt, steps)
+                    s._layer(s._modules[mid]).measured_time_s[key] = min(ts)
+        if traces and steps:
+            self._profiled(timed, steps)
         s._reset()
         return s.step_times
 
-    def _profiled(self, fmt: Format | None, key: str, steps: int, traces: bool) -> None:
-        """One warm-up and ``steps`` profiled steps; their traces go to the session's ``traces``."""
+    def _instrumented_step(self, fmt: Format | None) -> None:
+        s = self.s
+        s._reset()
+        s._phase = "profile"
+        try:
+            self.step(fmt)
+            self._sync()
+        finally:
+            s._phase = None
+
+    def _profiled(self, formats: list[Format | None], steps: int) -> None:
+        """One warm-up and ``steps`` profiled steps per format, under one profiler; the traces go to the
+        session's ``traces`` as ``<format>/<file>``."""
         from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
         s = self.s
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         with tempfile.TemporaryDirectory() as tmp:
-            handler = tensorboard_trace_handler(tmp, worker_name=f"precision-audit-{key}", use_gzip=False) \
-                if traces else None
-            # one warm-up step first: the profiler's first step carries its start-up cost
-            prof = profile(activities=activities, on_trace_ready=handler,
-                           schedule=schedule(wait=0, warmup=1, active=steps, repeat=1))
+            current = [""]
+
+            def ready(prof: Any) -> None:  # the end of a format's active steps: its trace, in its folder
+                key = current[0]
+                tensorboard_trace_handler(str(Path(tmp) / key), worker_name=f"precision-audit-{key}",
+                                          use_gzip=False)(prof)
+
+            # per format one warm-up step first: the profiler's first step carries its start-up cost
+            prof = profile(activities=activities, on_trace_ready=ready,
+                           schedule=schedule(wait=0, warmup=1, active=steps, repeat=len(formats)))
             with _quiet_native_stderr():
                 prof.start()
             try:
-                for i in range(steps + 1):
-                    s._reset()
-                    s._phase = "profile"
-                    try:
-                        self.step(fmt)
-                        self._sync()
-                    finally:
-                        s._phase = None
-                    if i:
-                        self._collect_layer_times()
-                    else:
-                        self._pending_events.clear()
-                        self._step_layer_times = {}
-                    with _quiet_native_stderr():
-                        prof.step()
+                with warnings.catch_warnings():
+                    # each format's cycle is its own trace: what torch warns of at the second cycle is the intent
+                    warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each")
+                    self._profile_formats(prof, formats, steps, current)
             finally:
                 with _quiet_native_stderr():
                     prof.stop()
-            for f in sorted(Path(tmp).glob("*.json")):
-                s.traces[f"{key}/{f.name}"] = f.read_bytes()
+            for f in sorted(Path(tmp).glob("*/*.json")):
+                s.traces[f"{f.parent.name}/{f.name}"] = f.read_bytes()
+
+    def _profile_formats(self, prof: Any, formats: list[Format | None], steps: int, current: list[str]) -> None:
+        for fmt in formats:
+            current[0] = "fp32" if fmt is None else fmt.value
+            for _ in range(steps + 1):
+                self._instrumented_step(fmt)
+                self._pending_events.clear()  # the instrumented steps' times are the ones kept
+                self._step_layer_times = {}
+                with _quiet_native_stderr():
+                    prof.step()
 
     def step(self, fmt: Format | None) -> None:
-        """One forward and backward, as a training step runs them (FP32: TF32 off on CUDA)."""
+        """One forward and backward, as a training step runs them (TF32 off on CUDA, but for the TF32 format)."""
         s = self.s
         if fmt is None:
             with s._fp32_reference_switches():
@@ -107,7 +144,7 @@ class StepTimer:
                 loss.float().backward()
 
     def _clean_steps(self, fmt: Format | None, steps: int) -> list[float]:
-        """``steps`` uninstrumented steps after a warm-up: no profiler, no module hooks, no CUDA events.
+        """One warm-up and ``steps`` uninstrumented steps: no profiler, no module hooks, no per-module events.
 
         On CUDA the peak allocation of each step is taken above what was allocated when it started (the
         parameters, the batch and what this session keeps, such as the reference outputs): the figure of
@@ -124,11 +161,9 @@ class StepTimer:
                 s._reset()
                 base = self._peak_start()
                 self._sync()
-                t0 = time.perf_counter()
-                self.step(fmt)
-                self._sync()
-                dt = time.perf_counter() - t0
-                if i:  # the warm-up step carries one-time costs (kernel selection, workspaces)
+                run = self._timed_step if i else self._warm_up
+                dt = run(fmt)
+                if i:  # the warm-up step carries one-time costs (kernel selection, workspaces, compiling)
                     times.append(dt)
                     if base is not None:
                         peaks.append(int(torch.cuda.max_memory_allocated(s.config.device)) - base)
@@ -137,6 +172,50 @@ class StepTimer:
         if peaks:
             s.memory.setdefault(key, {})["peak_bytes"] = max(peaks)
         return times
+
+    def _stance(self) -> contextlib.AbstractContextManager[Any]:
+        """The clean steps' torch.compile stance: a cuda-mode model's compiled parts run compiled, as in training
+        (the session runs them eagerly for its hooks and statistics); emulated, eagerly (the emulation sees ops)."""
+        if self._compiled:
+            return torch.compiler.set_stance("default")
+        return contextlib.nullcontext()
+
+    def _warm_up(self, fmt: Format | None) -> float:
+        if self._compiled is None:
+            self._compiled = self.cuda and has_compiled_parts(self.s.model)
+        if self._compiled:
+            try:
+                with self._stance():
+                    self.step(fmt)
+                self._sync()
+                return 0.0
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # it ran eagerly in every pass: the compiler's failure, not the model's
+                self._compiled = False
+                msg = (f"the model's torch.compile'd parts failed to compile for the timed steps "
+                       f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): its step times "
+                       "are its eager ones")
+                log.warning("%s", msg)
+                self.s.warnings.append(msg)
+                self.s._reset()
+        self.step(fmt)
+        self._sync()
+        return 0.0
+
+    def _timed_step(self, fmt: Format | None) -> float:
+        """Seconds of one clean step: a pair of CUDA events around it on a GPU, the wall clock on a CPU."""
+        with self._stance():
+            if not self.cuda:
+                t0 = time.perf_counter()
+                self.step(fmt)
+                return time.perf_counter() - t0
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.step(fmt)
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1e3
 
     def _peak_start(self) -> int | None:
         if not self.cuda:

@@ -65,7 +65,7 @@ def _budget(text: str):
         raise OptionError(f"bad --budget: {e}") from None
 
 
-#: The most timed steps ``--steps`` accepts (each one runs every format under torch.profiler; README.md).
+#: The most timed steps ``--steps`` accepts (each one runs every format, twice, three times with --trace; README.md).
 MAX_STEPS = 1000
 
 
@@ -77,7 +77,7 @@ def _steps(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
     if n > MAX_STEPS:
         raise argparse.ArgumentTypeError(f"{n} is more than the maximum, {MAX_STEPS} (each timed step runs "
-                                         "every format under the profiler; a few are enough)")
+                                         "every format; a few are enough)")
     return n
 
 
@@ -107,9 +107,12 @@ def _audit_parser() -> argparse.ArgumentParser:
                    help="where the model runs (default: cuda when available)")
     p.add_argument("--emulate", action="store_true", help="emulate CUDA numerics on the CPU even when a GPU is present")
     p.add_argument("--steps", type=_steps, default=None, metavar="N",
-                   help="timed steps per format under torch.profiler, after one warm-up step; traces go to "
-                        "DIR/tb (default: 1 on a GPU, 0 in emulated mode, where CPU timings say nothing about the "
-                        f"target GPU; 0 skips timing and traces; at most {MAX_STEPS})")
+                   help="timed steps per format, after one warm-up step, timed with CUDA events on a GPU (default: "
+                        "1 on a GPU, 0 in emulated mode, where CPU timings say nothing about the target GPU; 0 skips "
+                        f"timing; at most {MAX_STEPS})")
+    p.add_argument("--trace", action="store_true",
+                   help="also run the timed steps under torch.profiler and write its traces to DIR/tb/<format>/ "
+                        "(one profiler for every format; its start-up takes seconds on a GPU; default: no trace)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed for every pass (default: 0)")
     p.add_argument("--kernels", choices=("auto", "python", "compiled"), default="auto",
                    help="emulated mode's autocast kernels: compiled C++ ones are bit-identical and faster on small "
@@ -122,7 +125,7 @@ def _audit_parser() -> argparse.ArgumentParser:
                         "loss change 0.01, output relative L2 error 0.05)")
     p.add_argument("--tokens-per-step", type=int, default=None, metavar="N",
                    help="with an FP8 format: the rows (batch x sequence) one training step feeds each linear, for "
-                        "the FP8 plan's cost (default: the audited batch's; docs/fp8.md)")
+                        "the FP8 plan's cost, at most 2**40 (default: the audited batch's; docs/fp8.md)")
     from ..distributed import add_options as add_distributed_options  # --nproc, --shard (issue 15)
 
     add_distributed_options(p)
@@ -155,7 +158,7 @@ def audit_main(argv: list[str]) -> int:
         model=args.model, batch=args.batch, out=Path(args.out), target=args.target,
         formats=parse_formats(args.formats) if args.formats is not None else None, device=args.device,
         emulate=args.emulate, steps=args.steps, seed=args.seed, budget=_budget(args.budget), kernels=args.kernels,
-        fp8_tokens_per_step=args.tokens_per_step,
+        fp8_tokens_per_step=args.tokens_per_step, trace=args.trace,
     )
     from ..report.terminal import Progress, summary_text
 

@@ -113,7 +113,7 @@ register(Command(
     summary="re-render report.html from a saved audit.json (no model run)"))
 register(Command(
     "export", "precision_audit.cli.export:export_main",
-    usage="precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp [--out FILE]",
+    usage="precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp|torchao|torchtitan [--out FILE]",
     summary="the policy as another stack's precision settings"))
 register(Command(
     "build-kernels", "precision_audit.cli.build_kernels:build_kernels_main",

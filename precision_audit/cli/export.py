@@ -1,8 +1,9 @@
-"""``precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp [--out FILE]``.
+"""``precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp|torchao|torchtitan [--out FILE]``.
 
 Writes the nearest equivalent of a policy for another training stack (:mod:`precision_audit.policy.exporters`)
-to stdout, or atomically to ``--out``; what the target cannot express is written into the output (a
-``precision_audit`` key in JSON, a comment block in Python) and, with ``--out``, also listed on stderr.
+to stdout, or atomically to ``--out``; the generated code loads the policy from its absolute path. What the target
+cannot express is written into the output (a ``precision_audit`` key in JSON, a comment block in Python) and, with
+``--out``, also listed on stderr.
 Strings from the policy reach the output and stderr only through ``repr()`` / ``json.dumps``
 (:mod:`precision_audit.policy.exporters`), so a crafted policy cannot inject code or terminal escapes.
 User errors raise :class:`~precision_audit.errors.AuditError` subclasses (exit code 2 in the CLI).
@@ -11,10 +12,12 @@ User errors raise :class:`~precision_audit.errors.AuditError` subclasses (exit c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from ..export import EXPORT_TARGETS, export_policy
-from ..policy.io import load_policy
+from ..policy.io import POLICY_FILE, load_policy
 
 DESCRIPTION = """\
 Export a precision-audit policy to the settings another training stack reads:
@@ -24,7 +27,8 @@ Export a precision-audit policy to the settings another training stack reads:
   accelerate  Python: Accelerator(mixed_precision=..., GradScalerKwargs) + per-module part
   fsdp        Python: FSDP MixedPrecision / FSDP2 MixedPrecisionPolicy, per-module units, ShardedGradScaler
   torchao     Python: convert_to_float8_training of the policy's FP8 modules, one config per recipe
-  torchtitan  TOML: [float8] recipe_name and filter_fqns (the linears kept in high precision)
+  torchtitan  Python for torchtitan 0.3: Float8LinearConverter.Config's recipe_name and filter_fqns (the linears
+              kept in high precision)
 Each output says what the target cannot express (e.g. DeepSpeed has no per-module formats).
 """
 
@@ -42,7 +46,12 @@ def export_main(argv: list[str]) -> int:
     """Run ``precision-audit export`` with ``argv`` (the arguments after ``export``); returns the exit code."""
     args = _parser().parse_args(argv)
     policy = load_policy(args.policy)
-    result = export_policy(policy, args.to, policy_path=args.policy)
+    # The generated code loads the policy from this path wherever the training script runs: absolute, not
+    # relative to the directory the export ran in (a policy folder stands for its policy.json).
+    path = Path(os.path.abspath(args.policy))
+    if path.is_dir():
+        path = path / POLICY_FILE
+    result = export_policy(policy, args.to, policy_path=str(path))
     if args.out:
         from ..policy.io import write_text_atomic
 

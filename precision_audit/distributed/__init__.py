@@ -50,6 +50,37 @@ def check_options(args: Any) -> None:
     if args.shard is not None and not (args.nproc or launched_by_torchrun()):
         raise OptionError("--shard applies to a distributed audit only",
                           hint="add --nproc N, or run under torchrun --nproc-per-node N -m precision_audit ...")
+    if args.nproc and not launched_by_torchrun():
+        limit, what = rank_limit(args.device, args.emulate)
+        if args.nproc > limit:
+            raise OptionError(f"--nproc {args.nproc} starts more ranks than this machine runs at once",
+                              expected=f"at most {limit}: {what}", found=f"--nproc {args.nproc}",
+                              hint=f"use --nproc {limit} or fewer (the global batch is the same whatever the number "
+                                   "of ranks); to oversubscribe on purpose, start the ranks yourself: torchrun "
+                                   "--nproc-per-node N -m precision_audit ...")
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def rank_limit(device: str, emulate: bool) -> tuple[int, str]:
+    """How many ranks ``--nproc`` may start on this machine, and why: one per CUDA device for CUDA ranks (NCCL
+    runs one rank per GPU), one per CPU core this process may use for CPU ranks (more only share the cores: each
+    rank is slower, the audit no faster, and the memory grows by a process per rank). CUDA ranks are the ones
+    precision_audit/distributed/run.py starts: ``--device cuda``, or ``auto`` with CUDA present and no
+    ``--emulate``."""
+    if device == "cuda" or (device == "auto" and not emulate):
+        import torch
+
+        if torch.cuda.is_available():  # (--device cuda without CUDA is refused by the audit itself)
+            n = torch.cuda.device_count()
+            return n, f"the {n} CUDA device(s) visible to this process, one per rank"
+    n = _cpu_cores()
+    return n, f"the {n} CPU core(s) this process may run on, one per rank"
 
 
 def launch(argv: list[str], nproc: int, verbose: bool, interrupted_line: str) -> int:

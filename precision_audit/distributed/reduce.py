@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from ..capture.records import FormatLayerStats, LayerRecord, RunRecord
 from ..capture.stats import ErrorStats, MagnitudeHistogram, RangeSummary
-from ..errors import ModelRunError
 from ..formats import Format
+from .lockstep import Lockstep
 
 _SPECIAL_COUNTS = ("total", "zeros", "nans", "infs")
 _ERROR_COUNTS = ("n", "nonfinite", "ref_nonfinite")
@@ -38,10 +38,13 @@ _ERROR_SUMS = ("sum_ref2", "sum_diff2", "sum_dot", "sum_p2")
 
 
 class Reduction:
-    """Collects references to the fields of many records, then reduces them all with three collectives."""
+    """Collects references to the fields of many records, then reduces them all with three collectives, after a
+    check that every rank collected the same fields in the same order (``what``: the pass, for its message)."""
 
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
+    def __init__(self, lockstep: Lockstep | None = None, what: str = "the statistics") -> None:
+        self.lockstep = lockstep if lockstep is not None else Lockstep()
+        self.group = self.lockstep.group
+        self.what = what
         self._ints: list[tuple[Any, str]] = []
         self._sums: list[tuple[Any, str]] = []
         self._maxes: list[tuple[Any, str]] = []
@@ -76,7 +79,7 @@ class Reduction:
 
     # -- reducing -------------------------------------------------------------------------------------------
     def run(self) -> None:
-        _check_same_layout(self.layout, self.group)
+        _check_same_layout(self.layout, self.lockstep, self.what)
         ints = torch.tensor([int(getattr(o, a)) for o, a in self._ints], dtype=torch.int64)
         flat = torch.cat([ints] + [c.reshape(-1).to(torch.int64) for c in self._counts])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
@@ -97,21 +100,12 @@ class Reduction:
             setattr(o, a, v)
 
 
-def _check_same_layout(layout: list[str], group: Any) -> None:
+def _check_same_layout(layout: list[str], lockstep: Lockstep, what: str) -> None:
     """Every rank must reduce the same fields in the same order; a rank whose model took another path (a module
-    that ran on one rank only, a re-run that failed on one) would otherwise pair unrelated numbers."""
-    mine = (len(layout), zlib.crc32("\n".join(layout).encode()))
-    t = torch.tensor(mine, dtype=torch.int64)
-    lo, hi = t.clone(), t.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(lo, hi):
-        raise ModelRunError(
-            "the ranks ran different computations (their per-layer records differ), so their statistics cannot be "
-            "added up",
-            found=f"rank {dist.get_rank(group)}: {len(layout)} statistics",
-            hint="a model whose modules run (or fail) depending on the data cannot be audited across ranks; audit "
-                 "it in one process, or give every rank a batch that takes the same path")
+    that ran on one rank only, a re-run that failed on one) would otherwise pair unrelated numbers. The refusal
+    names the first field that differs (lockstep.py)."""
+    crc = zlib.crc32("\n".join(layout).encode(errors="replace"))
+    lockstep.check(f"{what} ({len(layout)} fields, crc {crc:08x})", detail=layout)
 
 
 def reference_fields(red: Reduction, layers: Iterable[LayerRecord]) -> None:
@@ -159,14 +153,15 @@ def rebuild_grad_all(layers: Iterable[LayerRecord]) -> MagnitudeHistogram:
     return total
 
 
-def reduce_impacts(log: list[tuple[LayerRecord, Format, float]], group: Any = None) -> None:
+def reduce_impacts(log: list[tuple[LayerRecord, Format, float]], lockstep: Lockstep | None = None) -> None:
     """Each backward call's ``<dL/dy, y_p - y>`` summed over ranks, then accumulated as the session does for one
     process: the signed sum and the sum of absolute values, in the order of the calls."""
-    _check_same_layout([f"{rec.name}.{f.value}" for rec, f, _ in log], group)
+    lockstep = lockstep if lockstep is not None else Lockstep()
+    _check_same_layout([f"{rec.name}.{f.value}" for rec, f, _ in log], lockstep, "the loss impacts per call")
     if not log:
         return
     t = torch.tensor([v for _, _, v in log], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=lockstep.group)
     for (rec, f, _), v in zip(log, t.tolist()):
         fs = rec.formats[f]
         fs.loss_impact += v
@@ -174,10 +169,10 @@ def reduce_impacts(log: list[tuple[LayerRecord, Format, float]], group: Any = No
         fs.impact_measured = True
 
 
-def reduced_error_copy(e: ErrorStats, group: Any = None) -> ErrorStats:
+def reduced_error_copy(e: ErrorStats, lockstep: Lockstep | None = None) -> ErrorStats:
     """A copy of ``e`` holding the sums over every rank (``e`` itself unchanged)."""
     out = copy.copy(e)
-    red = Reduction(group)
+    red = Reduction(lockstep, "an output error's sums")
     red.error(out, "error")
     red.run()
     return out

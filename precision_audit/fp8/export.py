@@ -2,16 +2,19 @@
 
 - ``torchao``: Python defining ``apply_fp8(model, emulate=False)``: one ``convert_to_float8_training`` per recipe,
   with a ``module_filter_fn`` accepting exactly the modules the policy puts in that recipe;
-- ``torchtitan``: a TOML fragment: ``[model] converters = ["float8"]``, one ``[float8] recipe_name`` (torchtitan
-  applies one recipe to every converted linear) and ``filter_fqns``, the linears kept in high precision.
+- ``torchtitan``: Python for torchtitan 0.3.0 (:data:`TORCHTITAN_VERSION`), whose configuration is Python (a
+  ``config_registry`` function; the TOML job files of earlier releases are gone): ``FLOAT8``, the fields of
+  its ``Float8LinearConverter.Config`` -- one ``recipe_name`` (torchtitan applies one recipe to every converted
+  linear; 0.3 takes ``rowwise`` and ``rowwise_with_gw_hp`` only) and ``filter_fqns``, the linears kept in high
+  precision -- and ``float8_converter()``, which builds it for ``model_registry(..., converters=[...])``.
 
-Strings from the policy are untrusted (docs/policy.md): they reach Python only through ``repr()`` and TOML only as
-JSON-escaped basic strings (``json.dumps``), never raw, so a policy cannot add a line or a statement.
+Strings from the policy are untrusted (docs/policy.md): they reach the Python only through ``repr()``, never raw, so
+a policy cannot add a line or a statement.
 """
 
 from __future__ import annotations
 
-import json
+import bisect
 from collections import Counter
 
 from ..policy.exported import Export
@@ -60,15 +63,10 @@ def export_torchao(policy, policy_path: str = "policy.json") -> Export:
     return Export("torchao", "\n".join(lines), ".py", tuple(notes))
 
 
-def _toml_str(s: str) -> str:
-    """A TOML basic string: JSON's escapes (quote, backslash, control characters) are TOML's; DEL, which JSON
-    leaves raw and TOML forbids raw, is escaped too. Names with lone surrogates (not Unicode scalar values, so not
-    writable in TOML) are left out before this is called."""
-    return json.dumps(s, ensure_ascii=False).replace("\x7f", "\\u007F")
-
-
-def _has_surrogate(s: str) -> bool:
-    return any(0xD800 <= ord(c) <= 0xDFFF for c in s)
+#: The torchtitan release ``--to torchtitan`` writes for, and the recipe names its ``Float8LinearConverter.Config``
+#: takes there (``recipe_name: Literal["rowwise", "rowwise_with_gw_hp"]``; 0.3 dropped "tensorwise").
+TORCHTITAN_VERSION = "0.3.0"
+TORCHTITAN_RECIPES = ("rowwise", "rowwise_with_gw_hp")
 
 
 def _linears(policy) -> list[str] | None:
@@ -78,32 +76,94 @@ def _linears(policy) -> list[str] | None:
     return [n for n, entry in layout.items() if entry.startswith("Linear[")]
 
 
+def substring_clashes(keep: list[str], converted: list[str]) -> list[str]:
+    """The converted names that contain a kept name (torchtitan's ``filter_fqns`` match by substring, so a kept
+    ``layers.1`` also keeps ``layers.10.wq``). For each suffix of a converted name, the sorted kept names are searched
+    for one that is its prefix: O(total length x log n), not every pair (100k modules took minutes)."""
+    names = sorted(set(keep))
+    if not names:
+        return []
+    out = []
+    for b in converted:
+        if _contains_any(b, names):
+            out.append(b)
+    return out
+
+
+def _contains_any(b: str, names: list[str]) -> bool:
+    for i in range(len(b)):
+        s = b[i:]
+        while s:
+            j = bisect.bisect_right(names, s) - 1
+            if j < 0:
+                break
+            x = names[j]
+            if s.startswith(x):
+                return True
+            # a kept name that is a prefix of s lies between it and s in order, so it is a prefix of both:
+            # search again below their common prefix
+            n = 0
+            for c1, c2 in zip(x, s):
+                if c1 != c2:
+                    break
+                n += 1
+            s = s[:n]
+    return False
+
+
 def export_torchtitan(policy, policy_path: str = "policy.json") -> Export:
+    """Python for torchtitan 0.3 (its config is Python: a ``config_registry`` function, no TOML job file): the
+    ``Float8LinearConverter.Config`` fields of the policy's FP8 modules, and a function that builds it."""
     modules, notes = _plan(policy)
-    linears = _linears(policy)
-    recipe = Counter(modules.values()).most_common(1)[0][0] if modules else "tensorwise"
-    other = sorted(n for n, r in modules.items() if r != recipe)
+    titan = {n: r for n, r in modules.items() if r in TORCHTITAN_RECIPES}
+    other = sorted(n for n in modules if n not in titan)
+    counts = Counter(titan.values())
+    recipe = max(TORCHTITAN_RECIPES, key=lambda r: (counts[r], r == "rowwise"))  # the most used; rowwise on ties
+    converted = sorted(n for n, r in titan.items() if r == recipe)
+    chosen = set(converted)
+    kept_planned = sorted(n for n in modules if n not in chosen)
     if other:
-        notes.append(f"torchtitan applies one recipe ({recipe}); {len(other)} module(s) planned under another are "
-                     f"kept in high precision: {', '.join(map(repr, other[:10]))}")
+        notes.append(f"torchtitan {TORCHTITAN_VERSION} has no {', '.join(sorted({modules[n] for n in other}))} "
+                     f"recipe (only {', '.join(TORCHTITAN_RECIPES)}): {len(other)} module(s) kept in high precision "
+                     "(export --to torchao converts them)")
+    if len(counts) > 1:
+        notes.append(f"torchtitan applies one recipe ({recipe}); {len(titan) - len(converted)} module(s) planned "
+                     "under the other are kept in high precision")
+    linears = _linears(policy)
     if linears is None:
         notes.append("the policy has no model.layout, so the linears to keep in high precision cannot be listed: "
-                     "filter_fqns lists none; regenerate the policy")
-        keep = []
+                     "filter_fqns lists only the planned modules not converted; regenerate the policy")
+        keep = kept_planned
     else:
-        keep = [n for n in linears if modules.get(n) != recipe]
-    odd = [n for n in keep + list(modules) if _has_surrogate(n)]
-    if odd:
-        notes.append(f"{len(odd)} module name(s) cannot be written in TOML (lone surrogates) and are left out")
-        keep = [n for n in keep if not _has_surrogate(n)]
-        recipe = recipe if not _has_surrogate(recipe) else "tensorwise"
-    if any(a != b and a in b for a in keep for b in modules):
-        notes.append("torchtitan's filter_fqns match by substring: a kept name inside a converted one also keeps "
-                     "that one in high precision")
-    lines = ["# torchtitan float8 settings, generated by precision-audit from " + repr(policy_path) + ".",
-             "# Model: " + repr(policy.model_class) + ", target: " + repr(policy.target_name) + "."]
+        keep = [n for n in linears if n not in chosen]
+    clashes = substring_clashes(keep, converted)
+    if clashes:
+        notes.append(f"torchtitan matches filter_fqns by substring: {len(clashes)} converted module(s) contain a kept "
+                     f"name and stay in high precision too: {', '.join(map(repr, clashes[:10]))}")
+    lines = [f"# torchtitan {TORCHTITAN_VERSION} float8 settings, generated by precision-audit.",
+             "# Strings from the policy are shown as Python literals.",
+             "# From " + repr(policy_path) + "; model: " + repr(policy.model_class) + ", target: "
+             + repr(policy.target_name) + "."]
     lines += ["# note: " + repr(n) for n in notes]
-    lines += ["[model]", 'converters = ["float8"]' if modules else "converters = []", "", "[float8]",
-              f"recipe_name = {_toml_str(recipe)}", "# linears kept in high precision (matched by substring)",
-              "filter_fqns = [" + ", ".join(_toml_str(n) for n in keep) + "]", ""]
-    return Export("torchtitan", "\n".join(lines), ".toml", tuple(notes))
+    lines += ["# torchtitan >= 0.3 is configured in Python (a config_registry function), not a TOML job file;",
+              "# in yours:",
+              "#     config.model_spec = model_registry(FLAVOR, converters=[float8_converter()])",
+              "# torchtitan also skips every linear with a dimension not divisible by 16.",
+              "", "# Float8LinearConverter.Config's fields for this policy (filter_fqns: the linears kept in high",
+              "# precision, matched by substring).",
+              "FLOAT8 = {", f"    \"recipe_name\": {recipe!r}," if converted else "    \"recipe_name\": None,",
+              "    \"filter_fqns\": ["]
+    lines += [f"        {n!r}," for n in keep]
+    lines += ["    ],", "}", "# The linears the policy converts (for checking the converted model).", "CONVERTED = ["]
+    lines += [f"    {n!r}," for n in converted]
+    lines += ["]", "", "", "def float8_converter(model_compile_enabled=True, emulate=False):",
+              '    """The converter config for model_registry(..., converters=[...]); None when the policy converts no',
+              '    linear (leave float8 out)."""',
+              "    if not CONVERTED:",
+              "        return None",
+              "    from torchtitan.components.quantization import Float8LinearConverter",
+              "",
+              "    return Float8LinearConverter.Config(model_compile_enabled=model_compile_enabled, emulate=emulate,",
+              "                                        recipe_name=FLOAT8[\"recipe_name\"],",
+              "                                        filter_fqns=list(FLOAT8[\"filter_fqns\"]))", ""]
+    return Export("torchtitan", "\n".join(lines), ".py", tuple(notes))

@@ -184,3 +184,9 @@ def patched(modules: dict[torch.nn.Linear, Fp8State]) -> Iterator[None]:
 
 
 _MISSING = object()
+
+
+def finite_metrics(metrics: dict) -> dict:
+    """Error metrics for audit.json's ``fp8`` section: a non-finite figure is null and the ``nonfinite`` count
+    beside it says why, as everywhere in audit.json (docs/record.md; it held the strings "inf"/"nan" before)."""
+    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}

@@ -31,7 +31,7 @@ from ..capture.records import float_tensors
 from ..capture.runner import ModelState
 from ..capture.stats import ErrorStats
 from ..policy.schema import named_modules
-from .linear import Fp8State, OperandStats, fp8_linear, patched
+from .linear import Fp8State, OperandStats, finite_metrics, fp8_linear, patched
 from .other_gemms import OtherGemm, measure_other_gemms, other_gemms_dict
 from .recipes import DEFAULT_RECIPES, RECIPES, Recipe
 
@@ -321,9 +321,7 @@ def _amax_histories(model, forward, loss_of, linears, state, seed, steps) -> dic
 # -- JSON ---------------------------------------------------------------------------------------------------
 
 def _metrics(e: ErrorStats | None) -> dict | None:
-    if e is None:
-        return None
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in e.metrics().items()}
+    return None if e is None else finite_metrics(e.metrics())
 
 
 def result_dict(r: Fp8Result, budget_rel_error: float) -> dict:

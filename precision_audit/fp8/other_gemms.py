@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..capture.stats import ErrorStats
 from ..policy.schema import named_modules
-from .linear import Fp8State, OperandStats
+from .linear import Fp8State, OperandStats, finite_metrics
 from .recipes import RECIPES
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,7 @@ def other_gemms_dict(gemms: list[OtherGemm], budget_rel_error: float, recipes: t
             m = e.metrics()
             rel = m.get("rel_l2")
             per[rname] = {
-                "local": {"output": {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
-                                     for k, v in m.items()}},
+                "local": {"output": finite_metrics(m)},
                 "operands": {f"output.{role}": s.to_dict() for role, s in g.operands.get(rname, {}).items()},
                 "meets_budget": bool(isinstance(rel, float) and math.isfinite(rel) and rel <= budget_rel_error),
             }

@@ -44,7 +44,7 @@ class Fp8Plan:
             if not isinstance(o, dict):
                 raise PolicyError(f"policy field {where} must be an object", found=type(o).__name__)
             recipe = o.get("recipe")
-            if recipe not in RECIPES:
+            if not isinstance(recipe, str) or recipe not in RECIPES:  # a list or an object is not hashable
                 raise PolicyError(f"policy field {where}.recipe is not a known FP8 recipe", found=repr(recipe),
                                   choices=list(RECIPES))
             reason = o.get("reason", "")

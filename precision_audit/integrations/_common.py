@@ -30,6 +30,25 @@ from ..errors import OptionError
 
 log = logging.getLogger("precision_audit.integrations")
 
+
+class _UntilConfigured(logging.StreamHandler):
+    """stderr for the callbacks' records while the application has configured no logging of its own.
+
+    Python's default (no ``logging.basicConfig``) shows WARNING and above only, so the summary logged at INFO was
+    invisible in a plain training script. Lightning and transformers give their own loggers a handler and the
+    INFO level for the same reason; this one steps aside once the root logger has a handler, so a configured
+    application sees each record once, through its own handlers."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+if not any(isinstance(h, _UntilConfigured) for h in log.handlers):
+    log.addHandler(_UntilConfigured())
+if log.level == logging.NOTSET:
+    log.setLevel(logging.INFO)
+
 #: The audit() arguments a callback fills in itself.
 _OWN = ("model", "batch", "out")
 DEFAULT_REASON = "the policy's default format, put on this top-level module by the training callback"
@@ -66,12 +85,21 @@ def plain_fp32(model: torch.nn.Module) -> Iterator[None]:
             model.forward = saved
 
 
+def _stage(message: str) -> None:
+    log.debug("precision-audit: %s", message)
+
+
 def run_audit_on(model: torch.nn.Module, batch: Any, out: Path, audit_kwargs: dict[str, Any]) -> Any:
-    """Audit ``model`` on ``batch`` into ``out`` and log the summary; returns the result."""
+    """Audit ``model`` on ``batch`` into ``out`` and log the summary; returns the result.
+
+    The trainer draws its own progress bar: the audit's stages go to the log (DEBUG) unless ``progress=`` was
+    passed, so no bar is nested in the trainer's."""
     from ..api import audit
 
+    kwargs = {"progress": _stage, **audit_kwargs}
+    log.info("precision-audit: auditing %s on the first training batch (outputs in %s)", type(model).__name__, out)
     with plain_fp32(model):
-        result = audit(model, batch, out=out, **audit_kwargs)
+        result = audit(model, batch, out=out, **kwargs)
     log.info("precision-audit on the first training batch (outputs in %s):\n%s", out, result.summary())
     return result
 

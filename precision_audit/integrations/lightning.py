@@ -14,7 +14,7 @@ one input, a dict becomes keyword inputs (precision_audit/loading.py). Pass ``lo
 as the training step gets it) when the loss your ``training_step`` computes is not the one inferred. Only
 global rank 0 audits; apply_policy is single-process only. The trainer's ``precision=`` is compared with the
 plan and a conflict is logged as a warning (precision_audit/integrations/_common.py); the handle of an applied
-policy is removed in ``on_train_end``.
+policy is removed in ``on_train_end``, or in ``on_exception`` when training fails.
 """
 
 from __future__ import annotations
@@ -71,3 +71,7 @@ class PrecisionAuditCallback(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.handle is not None:
             self.handle.remove()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Training failed (or was interrupted): the policy's wrapped forwards come off the model, as at its end."""
+        self.on_train_end(trainer, pl_module)

@@ -9,14 +9,22 @@ Example::
 
 How the first batch is caught: ``TrainerCallback`` events do not receive the batch (``on_step_begin`` gets no
 inputs), and drawing one from ``train_dataloader`` in ``on_train_begin`` would advance the sampler and change
-what the model trains on. So ``on_train_begin`` replaces the model's ``forward`` (an instance attribute, as
-``accelerate`` does) by a one-shot wrapper: the first forward in training mode with gradients on -- the forward
-of the first training step, before its backward and the first optimizer step -- receives exactly the inputs the
-Trainer feeds (collated, on the device, ``labels`` included), puts the original ``forward`` back, audits the
-model on those inputs, applies the policy when asked, and then runs the forward it was called for. Evaluation
-forwards (no gradients, eval mode) pass through untouched. The audit leaves the model and the random state as
-they were (precision_audit/api.py), so training with the callback (apply_policy=False) trains exactly as
-without it.
+what the model trains on. So ``on_step_begin`` -- called once the step's batch is fetched and collated -- replaces
+the model's ``forward`` (an instance attribute, as ``accelerate`` does) by a one-shot wrapper: the first forward in
+training mode with gradients on -- the forward of the first training step, before its backward and the first
+optimizer step -- receives exactly the inputs the Trainer feeds (collated, on the device, ``labels`` included),
+puts the original ``forward`` back, audits the model on those inputs, applies the policy when asked, and then runs
+the forward it was called for. Evaluation forwards (no gradients, eval mode) pass through untouched. The audit
+leaves the model and the random state as they were (precision_audit/api.py), so training with the callback
+(apply_policy=False) trains exactly as without it.
+
+Nothing stays behind when training fails: the wrapper exists only from ``on_step_begin`` to the step's forward
+(put back at that forward, at ``on_step_end`` and at ``on_train_end``), so a ``train()`` that fails before it (a
+collation error, an empty dataset) leaves ``model.forward`` untouched and the model picklable. The Trainer has no
+event for a failed step; the one window left, an error raised by the Trainer between ``on_step_begin`` and the
+model's forward (another callback's ``on_step_begin``, moving the batch to the device), is closed by the next
+callback: made into a ``Trainer`` (``on_init_end``) or at ``on_train_begin``, it puts back any wrapper an earlier
+one left on the model.
 
 In a distributed run only the main process audits; the others train on unchanged (apply_policy needs the
 policy on every process, so it is single-process only). The Trainer's ``bf16=`` / ``fp16=`` flags are compared
@@ -61,9 +69,18 @@ class PrecisionAuditCallback(TrainerCallback):
         self.handle: Any = None
         self.notes: list[str] = []
         self._restore: Any = None
+        self._audit_call: Any = None  # set by on_train_begin: what the first training forward runs
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                    **kwargs: Any) -> None:
+        # before train() reads the forward's signature (to drop the dataset's unused columns)
+        if model is not None:
+            _put_back_left_wrappers(model)  # an earlier train() that failed inside a step (module docstring)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                        **kwargs: Any) -> None:
+        if model is not None:
+            _put_back_left_wrappers(model)
         if self.result is not None or model is None:
             return
         if not state.is_world_process_zero:
@@ -72,21 +89,48 @@ class PrecisionAuditCallback(TrainerCallback):
         out = Path(args.output_dir) / OUT_FOLDER
         fmt = trainer_format(bool(args.bf16), bool(args.fp16))
         flag = f"bf16={bool(args.bf16)}, fp16={bool(args.fp16)}"
-        self._restore = _first_training_forward(model, functools.partial(self._audit, model, out, fmt, flag))
+        self._audit_call = functools.partial(self._audit, model, out, fmt, flag)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the step's batch is fetched and collated by now: a failure there left nothing to undo
+        if self._audit_call is not None and self._restore is None and self.result is None:
+            self._restore = _first_training_forward(self._audit_call.args[0], self._audit_call)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._put_back()  # a step that ran no training forward: the next step's on_step_begin wraps again
 
     def _audit(self, model: torch.nn.Module, out: Path, fmt: str, flag: str, batch: Any) -> None:
-        self._restore = None
+        self._restore = self._audit_call = None
         self.result = run_audit_on(model, batch, out, self.audit_kwargs)
         self.notes = check_against_trainer(self.result.policy, fmt, flag, self.apply_policy)
         if self.apply_policy:
             self.handle = apply_for_training(self.result.policy, model)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._restore is not None:  # training ended before any training forward
+    def _put_back(self) -> None:
+        if self._restore is not None:
             self._restore()
             self._restore = None
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._put_back()  # training ended before any training forward
+        self._audit_call = None
         if self.handle is not None:
             self.handle.remove()
+
+
+#: The attribute that marks this module's forward wrapper, with the function that puts the previous forward back.
+_MARK = "__precision_audit_restore__"
+
+
+def _put_back_left_wrappers(model: torch.nn.Module) -> None:
+    """Put back the forward that a wrapper of an earlier callback replaced, if one is still on ``model``."""
+    for _ in range(16):  # wrappers an earlier callback left, outermost first
+        restore = getattr(model.__dict__.get("forward"), _MARK, None)
+        if restore is None:
+            return
+        log.info("precision-audit: the model's forward was still wrapped by an earlier callback's train() that "
+                 "failed; put back")
+        restore()
 
 
 def _first_training_forward(model: torch.nn.Module, audit: Any) -> Any:
@@ -110,6 +154,7 @@ def _first_training_forward(model: torch.nn.Module, audit: Any) -> Any:
             return model.forward(*args, **kwargs)
         return (previous if had else type(model).forward.__get__(model))(*args, **kwargs)
 
+    setattr(wrapper, _MARK, restore)
     model.forward = wrapper
     return restore
 

@@ -32,7 +32,7 @@ from precision_audit.errors import BatchError
 
 from .failures import exception_text, raise_site, type_name
 from .model import ModelSource
-from .nested import dtype_name, map_tensors, named_tensors, output_structure
+from .nested import check_nesting, dtype_name, map_tensors, named_tensors, output_structure
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,7 @@ def _plain_signature(signature: inspect.Signature) -> inspect.Signature:
 
 
 def _interpret(raw: Any, model: nn.Module, label: str) -> Batch:
+    check_nesting(raw, label)
     arity = _forward_arity(model)
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = {}
@@ -308,9 +309,11 @@ def _interpret(raw: Any, model: nn.Module, label: str) -> Batch:
 
     notes: tuple[str, ...] = ()
     if _takes_use_cache(model, len(args)) and "use_cache" not in kwargs:
-        # A training step never reads the key/value cache, and the cache is updated in place by every call:
-        # the audit's per-module re-runs would then attend over keys appended twice (T5 decoder attention
-        # even changes its output structure). Hugging Face does the same under gradient checkpointing.
+        # A training step never reads the key/value cache, so building it only holds every layer's keys and
+        # values a second time. The figures do not depend on it: the per-module re-runs copy a cache object as
+        # the call found it (capture/call_args.py), and a random-init GPT-2 audited with use_cache=True gives
+        # the same loss, output error and per-layer errors (issue 32; a model wrapped in another forward, as a
+        # LightningModule, runs with its cache on). Hugging Face does the same under gradient checkpointing.
         kwargs = {**kwargs, "use_cache": False}
         notes = ("use_cache=False passed to forward: a training step reads no key/value cache, and the cache's "
                  "in-place updates would make the per-module re-runs see other inputs",)

@@ -17,7 +17,35 @@ from typing import Any
 
 import torch
 
-__all__ = ["dtype_name", "floating_leaves", "map_tensors", "named_tensors", "output_structure"]
+__all__ = ["check_nesting", "dtype_name", "floating_leaves", "map_tensors", "named_tensors", "output_structure"]
+
+#: How deep a batch's containers may nest (a Hugging Face batch is a dict of tensors: depth 1). Every walk over a
+#: batch recurses once per level; past Python's recursion limit (1000 frames) it would raise RecursionError.
+MAX_DEPTH = 64
+
+
+def check_nesting(value: Any, label: str) -> None:
+    """Refuse a batch whose tuples, lists and dicts nest more than :data:`MAX_DEPTH` deep, or hold themselves
+    (:class:`~precision_audit.errors.BatchError`), before anything walks it recursively. Iterative: any depth."""
+    from ..errors import BatchError
+
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = list(item.values())
+        elif isinstance(item, (tuple, list)):
+            children = item
+        else:
+            continue
+        if depth >= MAX_DEPTH:
+            raise BatchError(f"the batch from {label} nests containers more than {MAX_DEPTH} deep",
+                             expected=f"tensors in tuples, lists and dicts at most {MAX_DEPTH} levels deep",
+                             found=f"{type(item).__name__} inside {depth} levels of containers (or a container "
+                                   "that holds itself)",
+                             hint="pass the batch your training step feeds the model: (inputs..., target) or a "
+                                  "dict of keyword inputs")
+        stack.extend((c, depth + 1) for c in children)
 
 
 def named_tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:

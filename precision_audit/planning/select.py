@@ -68,8 +68,9 @@ class PlanCandidate:
 def plan_step_time(plan: Plan, perf) -> float:
     """Estimated step time of ``plan`` on the target: each module's own cost in the format the plan gives it.
 
-    The same sum, over the same modules in the same order, as analysis/performance.py's all-format totals, so a
-    plan with no overrides gets exactly the estimate of its default format.
+    The same sum, over the same modules in the same order, as analysis/performance.py's all-format totals (and the
+    ops outside every module, the loss, in the default format), so a plan with no overrides gets exactly the
+    estimate of its default format.
     """
     total = 0.0
     for name, lp in perf.layers.items():
@@ -79,7 +80,8 @@ def plan_step_time(plan: Plan, perf) -> float:
         layer = plan.layers.get(name)
         f = (layer.format if layer is not None else plan.default_format).value
         total += times.get(f, times.get("fp32", 0.0))
-    return total
+    outside = getattr(perf, "outside_step_time_s", {})
+    return total + outside.get(plan.default_format.value, outside.get("fp32", 0.0))
 
 
 def uniform_plan(analysis, fmt: Format, why: str, labels: dict[str, str] | None = None) -> Plan:

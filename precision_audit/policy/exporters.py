@@ -14,9 +14,11 @@ Each target gets its nearest equivalent, and says what it cannot express:
   policy's GradScaler settings) plus ``apply_precision_policy(model)`` for the per-module part.
 - ``accelerate``: Python: ``Accelerator(mixed_precision=..., kwargs_handlers=[GradScalerKwargs(...)])`` plus
   the per-module part.
-- ``fsdp``: Python: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` for FSDP1, per-module FSDP
-  units for the modules the policy keeps in another format, the FSDP2 (``fully_shard``) equivalent, and a
-  ``ShardedGradScaler`` for fp16.
+- ``fsdp``: Python: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` for FSDP1 and
+  ``MixedPrecisionPolicy`` for FSDP2 (``fully_shard``), each module the policy keeps in another format its own unit
+  gathered in that format's dtype, the per-module formats from precision_audit's runtime (``apply_policy`` and
+  ``forward_autocast()``: parameter casting alone cannot keep an fp32 module's output fp32 for the ops after it), and
+  a ``ShardedGradScaler`` for fp16.
 
 Example::
 
@@ -269,53 +271,56 @@ def _accelerate(policy: Policy, policy_path: str) -> Export:
 
 
 # The FSDP helpers the generated file defines: fixed code (nothing from the policy) that reads MODULE_FORMATS.
+# Each module in another format is its own unit whose parameters are gathered in its format's dtype; no unit casts
+# its inputs or its output (an fp32 module's output stays fp32, as under autocast): the per-module formats are
+# precision_audit's runtime's (apply_policy + autocast), which casts at each op as autocast does. Casting the output
+# back to the parent's dtype instead (output_dtype) turned a module kept in fp32 for its overflow back into fp16
+# infinities: the loss was NaN (issue 32).
 _FSDP_HELPERS = (
-    "def _cast_output(dtype):",
-    "    def hook(module, args, output):",
-    "        if isinstance(output, torch.Tensor) and output.is_floating_point():",
-    "            return output.to(dtype)",
-    "        return output",
-    "    return hook",
-    "",
-    "",
     "def wrap_fsdp1(model: torch.nn.Module, **fsdp_kwargs) -> FSDP:",
-    '    """FSDP1: wrap each MODULE_FORMATS module (innermost first) with its own MixedPrecision, then the',
-    '    model with `mixed_precision`."""',
+    '    """FSDP1: apply the policy\'s per-module formats, wrap each MODULE_FORMATS module (innermost first) in its',
+    '    own unit gathered in its dtype, then the model with `mixed_precision`. Run the forward under',
+    '    forward_autocast()."""',
+    "    HANDLES.append(apply_policy(model, POLICY))",
     "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
-    "        dtype, output_dtype = MODULE_FORMATS[name]",
     "        parent_name, _, child = name.rpartition(\".\")",
     "        parent = model.get_submodule(parent_name)",
-    "        unit = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32,",
-    "                              cast_forward_inputs=True)",
-    "        wrapped = FSDP(getattr(parent, child), mixed_precision=unit, **fsdp_kwargs)",
-    "        wrapped.register_forward_hook(_cast_output(output_dtype))",
-    "        setattr(parent, child, wrapped)",
+    "        unit = MixedPrecision(param_dtype=MODULE_FORMATS[name], reduce_dtype=torch.float32,",
+    "                              buffer_dtype=torch.float32)",
+    "        setattr(parent, child, FSDP(getattr(parent, child), mixed_precision=unit, **fsdp_kwargs))",
     "    return FSDP(model, mixed_precision=mixed_precision, **fsdp_kwargs)",
     "",
     "",
     "def shard_fsdp2(model: torch.nn.Module, **fully_shard_kwargs) -> torch.nn.Module:",
-    '    """FSDP2: fully_shard each MODULE_FORMATS module (innermost first) with its own policy, then the',
-    '    model with `mp_policy`."""',
+    '    """FSDP2: fully_shard each MODULE_FORMATS module (innermost first) as its own unit gathered in its',
+    '    dtype, then the model with `mp_policy`, and apply the policy\'s per-module formats. Run the forward',
+    '    under forward_autocast()."""',
     "    for name in sorted(MODULE_FORMATS, key=lambda n: -n.count(\".\")):",
-    "        dtype, output_dtype = MODULE_FORMATS[name]",
-    "        unit = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,",
-    "                                    output_dtype=output_dtype, cast_forward_inputs=True)",
+    "        unit = MixedPrecisionPolicy(param_dtype=MODULE_FORMATS[name], reduce_dtype=torch.float32,",
+    "                                    cast_forward_inputs=False)",
     "        fully_shard(model.get_submodule(name), mp_policy=unit, **fully_shard_kwargs)",
     "    fully_shard(model, mp_policy=mp_policy, **fully_shard_kwargs)",
+    "    HANDLES.append(apply_policy(model, POLICY))",
     "    return model",
+    "",
+    "",
+    "def forward_autocast(device_type: str = \"cuda\"):",
+    '    """The forward pass\'s context: autocast in the policy\'s default format (precision_audit.autocast); the',
+    '    modules the policy overrides run in their own format inside it."""',
+    "    return autocast(POLICY, device_type)",
 )
 
 
 def _fsdp_notes(policy: Policy, plan: _Plan) -> list[str]:
     notes = _common_notes(policy, plan)
-    notes.append("FSDP's param_dtype casts the parameters, so every op runs in that dtype (torch.autocast, "
-                 "which the policy was measured with, keeps softmax, norms and losses in fp32). The exact "
-                 "equivalent: FSDP without param_dtype plus precision_audit's runtime (apply_policy(model, policy), "
-                 "autocast(policy), and ShardedGradScaler for fp16), at fp32 parameter memory and traffic")
+    notes.append("each unit gathers its parameters in its format's dtype (param_dtype) and the forward runs under "
+                 "precision_audit's autocast with the policy applied, as the policy was measured, except that ops "
+                 "autocast keeps in fp32 (norms, embeddings) read parameters rounded to their unit's dtype; for "
+                 "fp32 parameters everywhere use precision_audit.shard_fsdp2(model, policy) instead")
     tf32_mods = [n for n, f, _ in plan.overrides if f == "tf32"]
     if tf32_mods:
-        notes.append(f"TF32 is a global switch, not an FSDP setting: these tf32 modules run in fp32: "
-                     f"{', '.join(map(repr, tf32_mods))}")
+        notes.append(f"TF32 is a global switch, not an FSDP setting: the tf32 modules get it from precision_audit's "
+                     f"runtime: {', '.join(map(repr, tf32_mods))}")
     if _whole(plan) == "bf16" and policy.loss_scaling.enabled:
         notes.append("the policy enables loss scaling (for its fp16 modules): use the ShardedGradScaler below")
     return notes
@@ -330,24 +335,27 @@ def _fsdp(policy: Policy, policy_path: str) -> Export:
     code = ["import torch",
             "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP",
             "from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard",
-            "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler", ""]
+            "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler", "",
+            "from precision_audit import apply_policy, autocast, load_policy", "",
+            f"POLICY = load_policy({policy_path!r})",
+            "HANDLES = []  # apply_policy's handles (handle.remove() puts the modules' forwards back)", ""]
     code += _tf32_lines(plan, "FSDP") + [""]
-    code += ["# The whole model: parameters in the policy's default format; gradients reduced and buffers kept in",
-             "# fp32 (as under autocast, whose gradients and buffers are fp32)."]
+    code += ["# The whole model: parameters gathered in the policy's default format; gradients reduced and buffers",
+             "# kept in fp32 (as under autocast, whose gradients and buffers are fp32)."]
     if whole in ("bf16", "fp16"):
         code += [f"mixed_precision = MixedPrecision(param_dtype={whole_dtype}, reduce_dtype=torch.float32, "
-                 "buffer_dtype=torch.float32)",
-                 f"mp_policy = MixedPrecisionPolicy(param_dtype={whole_dtype}, reduce_dtype=torch.float32)"]
+                 "buffer_dtype=torch.float32,",
+                 "                                 cast_root_forward_inputs=False)",
+                 f"mp_policy = MixedPrecisionPolicy(param_dtype={whole_dtype}, reduce_dtype=torch.float32, "
+                 "cast_forward_inputs=False)"]
     else:
-        code += ["mixed_precision = None  # the policy trains in fp32", "mp_policy = MixedPrecisionPolicy()"]
-    code += ["", "# The per-module part: modules the policy keeps in another format become their own FSDP units.",
-             "# name: (its parameter/compute dtype, the dtype its output is cast back to = its parent's, since",
-             "# without autocast the next module would otherwise get inputs in an unexpected dtype)",
+        code += ["mixed_precision = None  # the policy trains in fp32",
+                 "mp_policy = MixedPrecisionPolicy(cast_forward_inputs=False)"]
+    code += ["", "# The per-module part: modules the policy keeps in another format become their own FSDP units,",
+             "# their parameters gathered in that format's dtype. name: dtype",
              "MODULE_FORMATS = {"]
     for n, f in module_formats:
-        parent = policy.effective_format(n.rpartition(".")[0]) if "." in n else plan.whole
-        parent = "bf16" if parent in _FP8 else parent
-        code.append(f"    {n!r}: ({_TORCH_DTYPE[f]}, {_TORCH_DTYPE[parent]}),  # {f}")
+        code.append(f"    {n!r}: {_TORCH_DTYPE[f]},  # {f}")
     code += ["}", "", "", *_FSDP_HELPERS, "", ""]
     uses_fp16 = whole == "fp16" or any(f == "fp16" for _, f in module_formats)
     if uses_fp16 or policy.loss_scaling.enabled:

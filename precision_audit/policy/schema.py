@@ -125,7 +125,10 @@ def _layout_fingerprint(layout: Mapping[str, str]) -> str:
     h = hashlib.sha256()
     for name, entry in layout.items():
         type_name, _, rest = entry.partition("[")
-        h.update(f"{name}\t{type_name}\t{rest[:-1] if rest.endswith(']') else rest}\n".encode())
+        # surrogatepass: a name holding a lone surrogate (add_module takes any string, a policy.json any \ud800
+        # escape) hashes instead of raising UnicodeEncodeError; every other string encodes exactly as UTF-8
+        h.update(f"{name}\t{type_name}\t{rest[:-1] if rest.endswith(']') else rest}\n".encode("utf-8",
+                                                                                             "surrogatepass"))
     return "sha256:" + h.hexdigest()
 
 
@@ -324,6 +327,18 @@ class Policy:
         _check_type(self.tf32_cudnn, "tf32.cudnn", bool)
         if self.model_layout is not None:
             _check_layout(self.model_layout, self.model_fingerprint, self.model_modules)
+
+    def __repr__(self) -> str:
+        """One line: the model, target, default format, the overrides (the first few named), loss scale, TF32."""
+        from .display import policy_repr
+
+        return policy_repr(self)
+
+    def _repr_html_(self) -> str:
+        """A notebook cell's view: the same, with every override's format and reason in a table."""
+        from .display import policy_html
+
+        return policy_html(self)
 
     # -- queries -----------------------------------------------------------------------------------------
 

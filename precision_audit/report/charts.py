@@ -151,6 +151,49 @@ def _nice_step(raw: float) -> int:
     return int(10 * mag)
 
 
+Units = Sequence[tuple[int, int, str]]
+UNIT_AXIS_LABEL = "modules, by branch of the module tree"
+
+
+def _common_prefix(labels: Sequence[str]) -> str:
+    """The dotted prefix every label shares (``transformer.``), dropped from the axis labels."""
+    parts = [lb.split(".")[:-1] for lb in labels]
+    if not parts:
+        return ""
+    out: list[str] = []
+    for tup in zip(*parts):
+        if len(set(tup)) != 1:
+            break
+        out.append(tup[0])
+    return ".".join(out) + "." if out else ""
+
+
+def _tree_axis(fr: _Frame, units: Units) -> list[str]:
+    """The x axis over the module tree: a tick where each unit (a top-level module, or one repeat of a block)
+    starts, its name under it where there is room, and every other unit shaded. A unit spans its modules'
+    slots, half a slot either side of its first and last."""
+    if not units:
+        return []
+    cut = len(_common_prefix([u[2] for u in units]))
+    out = ['<g class="tree-axis">']
+    last_right = -1e9
+    for k, (a, b, label) in enumerate(units):
+        x0, x1 = max(fr.x(a - 0.5), fr.px0), min(fr.x(b + 0.5), fr.px1)
+        if k % 2:
+            out.append(f'<rect class="unit-band" x="{_f(x0)}" y="{_f(fr.py1)}" width="{_f(max(x1 - x0, 1))}" '
+                       f'height="{_f(fr.py0 - fr.py1)}"/>')
+        out.append(f'<line class="tick" x1="{_f(x0)}" x2="{_f(x0)}" y1="{_f(fr.py0)}" y2="{_f(fr.py0 + 4)}"/>')
+        text = label[cut:] or label
+        width = 6.2 * len(text)
+        mid = (x0 + x1) / 2
+        if mid - width / 2 > last_right + 6 and mid + width / 2 <= fr.width:
+            out.append(f'<text x="{_f(mid)}" y="{_f(fr.py0 + 16)}" text-anchor="middle"><title>{escape(label)}'
+                       f'</title>{escape(text)}</text>')
+            last_right = mid + width / 2
+    out.append("</g>")
+    return out
+
+
 def _hover_columns(fr: _Frame, tips: Sequence[str], centred: bool = False) -> list[str]:
     """One transparent column per layer carrying a tooltip (<title>) with that layer's figures.
 
@@ -185,7 +228,8 @@ class ErrorSeries:
     local_missing: list[bool] = field(default_factory=list)  # True where local error was not measured
 
 
-def error_by_layer(names: Sequence[str], series: dict[str, ErrorSeries], chart_id: str = "chart-error-svg") -> Markup:
+def error_by_layer(names: Sequence[str], series: dict[str, ErrorSeries], chart_id: str = "chart-error-svg",
+                   units: Units = ()) -> Markup:
     """Local (dashed) and accumulated (solid) relative L2 error per layer, log scale.
 
     An exact match (0) is drawn on an "exact" row below the axis, a non-finite error on a row above it.
@@ -210,8 +254,10 @@ def error_by_layer(names: Sequence[str], series: dict[str, ErrorSeries], chart_i
                 "Relative L2 error of each layer's output against FP32, per format, in execution order; "
                 "dashed: local (the layer alone on FP32 inputs), solid: accumulated (in the all-low-precision run). "
                 "Log scale.")
-    out += _axes(fr, ticks, _x_ticks_for_layers(n), "layer (in the order its forward started)",
-                 "relative L2 error (log)")
+    if units:
+        out += _tree_axis(fr, units)
+    out += _axes(fr, ticks, [] if units else _x_ticks_for_layers(n),
+                 UNIT_AXIS_LABEL if units else "layer (in the order its forward started)", "relative L2 error (log)")
     legend = []
     for fmt, s in series.items():
         cls = series_class(fmt)
@@ -271,7 +317,8 @@ class LayerRange:
     grad_tip: str = ""
 
 
-def ranges(layers: Sequence[LayerRange], bands: Sequence[Band], chart_id: str = "chart-ranges-svg") -> Markup:
+def ranges(layers: Sequence[LayerRange], bands: Sequence[Band], chart_id: str = "chart-ranges-svg",
+           units: Units = ()) -> Markup:
     """Per layer, the span of activation and gradient magnitudes (log2) against the formats' bands.
 
     The FP16 band is shaded across the plot; every band is drawn as a ruler on the right (lighter part:
@@ -302,8 +349,10 @@ def ranges(layers: Sequence[LayerRange], bands: Sequence[Band], chart_id: str = 
                    f'height="{_f(fr.y(fp16.normal) - fr.y(fp16.max))}"><title>FP16 normal range: '
                    f'{_pow2_label(fp16.normal)} to {2 ** fp16.max:.0f}</title></rect>')
         out.append("</g>")
-    out += _axes(fr, ticks, [(float(t), label) for t, label in _x_ticks_for_layers(n)],
-                 "layer (in the order its forward started)", "magnitude (log2)")
+    if units:
+        out += _tree_axis(fr, units)
+    out += _axes(fr, ticks, [] if units else _x_ticks_for_layers(n),
+                 UNIT_AXIS_LABEL if units else "layer (in the order its forward started)", "magnitude (log2)")
     # Rulers: one column per format on the right.
     out.append('<g class="rulers">')
     for k, b in enumerate(bands):
@@ -381,7 +430,7 @@ def exponent_histogram(counts: dict[int, int], markers: Sequence[Marker], chart_
                 "How many gradient values (of the loss with respect to each leaf module's output, FP32 reference) "
                 "fall in each binary exponent bucket [2^e, 2^(e+1)), log count scale, with FP16's limits at loss "
                 "scale 1 and at the recommended scale.")
-    yt = [(float(d), f"{10 ** d:,}") for d in range(0, ymax + 1)]
+    yt = [(float(d), _count_label(10 ** d)) for d in range(0, ymax + 1)]
     step = max(2, _nice_step((hi - lo) / 12))
     xt = [(float(e), _pow2_label(e)) for e in range(math.ceil(lo / step) * step, hi + 1, step)]
     out += _axes(fr, yt, xt, "gradient magnitude (binary exponent e of 2^e)", "values (log count)")
@@ -410,11 +459,19 @@ def exponent_histogram(counts: dict[int, int], markers: Sequence[Marker], chart_
     return Markup("\n".join(out))
 
 
+def _count_label(c: int) -> str:
+    """1, 10, 100, 1k, ... 10M: a count short enough for the axis margin (10,000,000 was clipped)."""
+    for div, suffix in ((10**12, "T"), (10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if c >= div:
+            return f"{c // div}{suffix}"
+    return str(c)
+
+
 # --- time per layer --------------------------------------------------------------------------------------
 
 
 def time_by_layer(names: Sequence[str], times: dict[str, list[float | None]], chart_id: str = "chart-time-svg",
-                  label: str = "estimated time") -> Markup:
+                  label: str = "estimated time", units: Units = ()) -> Markup:
     """Per layer, one thin bar per format for its (estimated) time in seconds, log scale."""
     vals = [v for s in times.values() for v in s if v is not None and v > 0]
     lo = math.floor(math.log10(min(vals))) if vals else -6
@@ -425,7 +482,10 @@ def time_by_layer(names: Sequence[str], times: dict[str, list[float | None]], ch
     out = _open(chart_id, f"{label.capitalize()} per layer per format",
                 f"For each layer, one bar per format: its {label} in seconds, log scale.")
     yt = [(float(d), _seconds(10.0 ** d)) for d in range(lo, hi + 1)]
-    out += _axes(fr, yt, _x_ticks_for_layers(n), "layer (in the order its forward started)", f"{label} (log)")
+    if units:
+        out += _tree_axis(fr, units)
+    out += _axes(fr, yt, [] if units else _x_ticks_for_layers(n),
+                 UNIT_AXIS_LABEL if units else "layer (in the order its forward started)", f"{label} (log)")
     k = max(len(times), 1)
     slot = (fr.px1 - fr.px0) / max(n, 1)
     bw = slot * 0.8 / k

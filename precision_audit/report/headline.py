@@ -13,40 +13,34 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import record as R
+from .grouped import off_default, why_chosen
+from .groups import Grouping, compress_names, grouping
 from .numbers import fmt_num, fmt_scale
 from .picks import given, is_gap, note_of, relative_to_fp32, speedup, step_time, summary_of
 
 
-def _override_groups(plan: R.PlanReport) -> dict[str, list[str]]:
-    groups: dict[str, list[str]] = {}
-    for name, o in (plan.overrides or {}).items():
-        fmt = o.format if isinstance(o, R.ModulePlan) and o.format is not None else "?"
-        groups.setdefault(fmt, []).append(name or "(model)")
-    return groups
-
-
-def headline(audit: R.AuditRecord, formats: list[str]) -> dict[str, Any]:
-    """The plan in one sentence, the estimated speedup, the expected loss change and FP16's viability."""
+def headline(audit: R.AuditRecord, formats: list[str], g: Grouping | None = None) -> dict[str, Any]:
+    """The plan in one sentence, every module it moves off the default format (FP8 included), why the default
+    won, the estimated speedup, the expected loss change and FP16's viability."""
     plan = audit.plan
     d = plan.default_format if plan.default_format is not None else "fp32"
-    groups = _override_groups(plan)
-    keep = []
-    for fmt, mods in groups.items():
-        shown = ", ".join(mods[:4]) + (f" and {len(mods) - 4} more" if len(mods) > 4 else "")
-        keep.append(f"{len(mods)} module{'s' if len(mods) != 1 else ''} in {fmt} ({shown})")
+    g = g if g is not None else grouping(audit.layers or [])
+    moves = off_default(audit, g)
+    keep = [f"{n} module{'s' if n != 1 else ''} in {fmt}" for fmt, _, n in moves]
     target_name = (audit.target or {}).get("name")
     if not formats:
         sentence = "No low-precision format was audited: keep training in fp32."
     else:
-        sentence = (f"Train with {d} autocast by default" + (", keeping " + "; ".join(keep) if keep else "")
+        sentence = (f"Train with {d} autocast by default" + (", with " + " and ".join(keep) if keep else "")
                     + (f" on {target_name}" if target_name else "") + ".")
-    h: dict[str, Any] = {"sentence": sentence, "default": d, "unsafe": audit.verdict.exit_code == 1}
+    h: dict[str, Any] = {"sentence": sentence, "default": d, "unsafe": audit.verdict.exit_code == 1,
+                         "moves": moves, "why": why_chosen(plan)}
 
     # Estimated speedup of the default format over fp32 on the target.
     sp = speedup(audit, d) if d != "fp32" else None
     if sp is not None:
         h["speedup"] = (f"{sp:.2f}× for an all-{d} step over fp32 (estimate from the cost model"
-                        + (", before the plan's overrides" if groups else "") + ")")
+                        + (", before the plan's overrides" if moves else "") + ")")
         h["speedup_ok"] = True
     else:
         st = step_time(audit, d) if summary_of(audit, d) is not None else step_time(audit, "fp32")
@@ -133,8 +127,9 @@ def warnings(audit: R.AuditRecord, formats: list[str]) -> list[str]:
         for e in (L.error or {}).values():
             if isinstance(e, R.LayerError) and e.local is None and e.local_note:
                 local_missing.setdefault(e.local_note, []).append(L.name or "(model)")
+    g = grouping(layers) if local_missing else None
     for note, mods in local_missing.items():
-        uniq = list(dict.fromkeys(mods))
+        uniq = compress_names(mods, g) if g is not None else mods  # a block's repeats written once: h.*.mlp
         notes.append(f"local error not measured for {', '.join(uniq[:5])}{' …' if len(uniq) > 5 else ''}: {note}")
     memory = audit.memory if isinstance(audit.memory, R.Memory) else None
     for rec in ((memory.per_format if memory else None) or {}).values():

@@ -127,23 +127,6 @@ def misaligned_rows(layers: Sequence[R.LayerReport]) -> list[dict[str, Any]]:
     return rows
 
 
-def gemm_rows(layers: Sequence[R.LayerReport]) -> list[dict[str, Any]]:
-    """Every GEMM/conv/attention op that ran, with its shape, FLOPs and estimated time per format."""
-    rows = []
-    for i, L in enumerate(layers):
-        for op in alignment_findings(L.alignment):
-            dims = [d for d in op.get("dims") or [] if isinstance(d, Mapping)]
-            bad = sorted({f"{d.get('dim')}={d.get('size')}" for d in dims if d.get("aligned") is False})
-            below = sorted({f"{d.get('dim')}={d.get('size')}" for d in dims
-                            if d.get("aligned") and d.get("efficient_size") not in (None, d.get("size"))})
-            rows.append({"index": i, "module": L.name or "(model)", "op": op.get("op"),
-                         "kind": op.get("kind"), "gemm": op.get("gemm") or {}, "calls": op.get("calls"),
-                         "flops": op.get("flops"), "times": op.get("estimated_step_time_s") or {},
-                         "padded": op.get("estimated_padded_step_time_s") or {}, "misaligned": bad,
-                         "below_tier": below, "note": op.get("note")})
-    return rows
-
-
 def loss_curve_series(verify: R.VerifyResult | None) -> dict[str, list[float | None]]:
     """The verification's loss curves, run name -> loss per step (``curves``; an older file's
     ``loss_curves``/``losses``/``runs``, kept in the record's ``extra``)."""

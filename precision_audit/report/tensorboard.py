@@ -1,28 +1,32 @@
-"""TensorBoard scalars and histograms from a finished audit's record (precision_audit/record.py), beside the
-profiler traces in ``--out``/tb/.
+"""TensorBoard events from a finished audit's record (precision_audit/record.py), beside the profiler traces in
+``--out``/tb/ (docs/report.md, "TensorBoard").
 
-The step of every per-layer series is the layer's position in audit.json's ``layers`` (the order its forward
-finished), so a scalar chart reads as "error by depth". Tags:
+TensorBoard's step axis is the training step the audit looked at (``step``: 0 for an audit on its own; a callback
+that audits again every K steps passes the trainer's step), so repeated audits of one run line up as curves.
+Per-module figures, which have no step of their own, go through the plugins made for them instead of borrowing
+the step axis as a layer index:
 
-- ``error/<format>/{local,accumulated}_{rel_l2,sqnr_db}`` — relative L2 error and SQNR (dB) against FP32;
-- ``range/activation_amax``, ``range/gradient_amax`` — largest |output| and |∂loss/∂output| (FP32 reference);
-- ``range/<format>/activation_headroom_bits`` — log2(format max / activation amax);
-- ``range/fp16/gradient_flushed_{unscaled,at_recommended}`` — share of output gradients that flush to zero;
-- ``summary/<format>/{loss,loss_rel_change,output_rel_l2}`` — the whole-model figures (step 0);
-- histograms ``exponents/activation`` and ``exponents/gradient`` — per layer (step = layer), bucketed by binary
-  exponent e (2^e <= |x| < 2^(e+1)), so TensorBoard's histogram view is a ridge plot by depth;
-- text ``layers`` — the step -> module name table.
+- scalars ``summary/<format>/{loss,loss_rel_change,output_rel_l2,estimated_step_s}`` and ``summary/fp32/loss``:
+  the whole model, as the report's Formats table;
+- scalars ``layers/<format>/{worst_local_rel_l2,worst_accumulated_rel_l2}``, ``layers/fp16/min_headroom_bits``
+  and ``loss_scale/recommended_init_scale``: the worst module's figure (its name is in the text table);
+- histograms ``error/<format>/{local,accumulated}_log10_rel_l2``: how the modules' errors are spread, one value
+  per module (log10 of its relative L2 error; exact modules left out), and ``exponents/{activation,gradient}``:
+  the binary exponents of every value of the leaf modules' outputs and output gradients;
+- text ``layers``: one markdown table row per module (format, errors, amax, headroom, flushed share, plan);
+- a custom-scalars layout (the CUSTOM SCALARS tab) grouping the summary curves per format.
 
 Non-finite values (null in audit.json) are left out rather than written as NaN.
 
 Example::
 
-    write_scalars(json.load(open("audit/audit.json")), Path("audit/tb"))
+    write_scalars(json.load(open("audit/audit.json")), Path("audit/tb"), step=0)
     # tensorboard --logdir audit/tb
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -32,12 +36,14 @@ from typing import Any
 
 from ..record import AuditRecord
 from .audit_json import as_record
+from .numbers import fmt_num
 
 EVENT_SUFFIX = ".precision-audit"  # our event files end with this; older ones are replaced on rewrite
 
 
-def write_scalars(audit: AuditRecord | Mapping[str, Any], logdir: Path) -> Path:
-    """Write the audit's per-layer figures as TensorBoard events into ``logdir``; returns the event file.
+def write_scalars(audit: AuditRecord | Mapping[str, Any], logdir: Path, step: int = 0) -> Path:
+    """Write the audit's figures as TensorBoard events into ``logdir`` at training step ``step``; returns the
+    event file.
 
     ``audit`` is the audit's record, or audit.json's content (read into the record first). The file is written
     into a temporary folder first and moved into place, and the event file of an
@@ -51,7 +57,7 @@ def write_scalars(audit: AuditRecord | Mapping[str, Any], logdir: Path) -> Path:
     try:
         writer = SummaryWriter(log_dir=str(staging), filename_suffix=EVENT_SUFFIX)
         try:
-            _write(writer, as_record(audit))
+            _write(writer, as_record(audit), step)
         finally:
             writer.close()
         (new,) = [p for p in staging.iterdir() if p.name.endswith(EVENT_SUFFIX)]
@@ -70,55 +76,83 @@ def _num(x: Any) -> float | None:
     return float(x)
 
 
-def _write(w: Any, r: AuditRecord) -> None:
+def _write(w: Any, r: AuditRecord, step: int) -> None:
     from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]  # no stubs
     from torch.utils.tensorboard.summary import scalar as scalar_summary
 
-    # One event per step holding all of that step's values (TensorBoard reads each value by its tag), instead
-    # of an event, a protobuf and a write per value: ~2,500 values for a 12-layer transformer.
-    by_step: dict[int, list[Any]] = {}
+    values: list[Any] = []  # one event holding every value of this step
 
-    def scalar(tag: str, value: Any, step: int) -> None:
+    def scalar(tag: str, value: Any) -> None:
         v = _num(value)
-        if v is not None:
-            by_step.setdefault(step, []).extend(scalar_summary(tag, v).value)
+        if v is not None and math.isfinite(v):
+            values.extend(scalar_summary(tag, v).value)
 
+    scalar("summary/fp32/loss", r.summary.fp32.loss)
+    for f in r.formats:
+        s = r.summary.formats.get(f)
+        if s is not None:
+            scalar(f"summary/{f}/loss", s.loss)
+            scalar(f"summary/{f}/loss_rel_change", s.loss_rel_change)
+            scalar(f"summary/{f}/output_rel_l2", s.output.rel_l2 if s.output else None)
+            scalar(f"summary/{f}/estimated_step_s", s.step_time.estimated_s)
+    if r.loss_scale is not None:
+        scalar("loss_scale/recommended_init_scale", r.loss_scale.recommended_init_scale)
+    for f in r.formats:
+        for kind in ("local", "accumulated"):
+            errs = [_num(m.rel_l2) for L in r.layers if (e := L.error.get(f)) is not None
+                    and (m := getattr(e, kind)) is not None]
+            finite = [v for v in errs if v is not None and math.isfinite(v)]
+            scalar(f"layers/{f}/worst_{kind}_rel_l2", max(finite, default=None))
+            values.extend(_histogram(f"error/{f}/{kind}_log10_rel_l2", _log10_counts(finite)))
+    rooms = [_num(L.activation.headroom_bits.get("fp16")) for L in r.layers]
+    scalar("layers/fp16/min_headroom_bits", min((v for v in rooms if v is not None and math.isfinite(v)),
+                                                default=None))
+    leaves = [L for L in r.layers if L.is_leaf] or list(r.layers)
+    for tag, hists in (("exponents/activation", [L.activation.exponent_histogram for L in leaves]),
+                       ("exponents/gradient", [L.gradient.output.exponent_histogram for L in leaves])):
+        counts: dict[int, int] = {}
+        for h in hists:
+            for k, c in (h or {}).items():
+                counts[int(k)] = counts.get(int(k), 0) + int(c)
+        values.extend(_histogram(tag, counts))
+    w._get_file_writer().add_summary(Summary(value=values), step)
+    w.add_text("layers", _layer_table(r), step)
+    w.add_custom_scalars({"precision-audit": {
+        "loss change (relative to FP32)": ["Multiline", [r"summary/.*/loss_rel_change"]],
+        "output error (relative L2)": ["Multiline", [r"summary/.*/output_rel_l2"]],
+        "worst module's local error": ["Multiline", [r"layers/.*/worst_local_rel_l2"]],
+        "estimated step time (s)": ["Multiline", [r"summary/.*/estimated_step_s"]]}})
+
+
+def _log10_counts(errors: list[float]) -> dict[int, int]:
+    """Modules per decade of relative error (bucket d: 10^d <= error < 10^(d+1)); exact ones (0) left out."""
+    out: dict[int, int] = {}
+    for v in errors:
+        if v > 0:
+            d = math.floor(math.log10(v))
+            out[d] = out.get(d, 0) + 1
+    return out
+
+
+def _layer_table(r: AuditRecord) -> str:
+    """The per-module figures as one markdown table (TensorBoard's TEXT tab renders it)."""
+    head = ["#", "module", "type", "plan"]
+    for f in r.formats:
+        head += [f"{f} local", f"{f} accum."]
+    head += ["act. amax", "fp16 headroom (bits)", "grad flushed fp16 (scale 1)"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, L in enumerate(r.layers):
+        cells = [str(i), "`" + (L.name or "(model)").replace("|", "\\|") + "`", L.type, str(L.plan.format)]
         for f in r.formats:
             e = L.error.get(f)
             for kind in ("local", "accumulated"):
                 m = getattr(e, kind) if e is not None else None
-                scalar(f"error/{f}/{kind}_rel_l2", m.rel_l2 if m else None, i)
-                scalar(f"error/{f}/{kind}_sqnr_db", m.sqnr_db if m else None, i)
-        act, grad = L.activation, L.gradient.output
-        scalar("range/activation_amax", act.amax, i)
-        scalar("range/gradient_amax", grad.amax, i)
-        for f, bits in act.headroom_bits.items():
-            scalar(f"range/{f}/activation_headroom_bits", bits, i)
-        for when in ("unscaled", "at_recommended"):
-            scalar(f"range/fp16/gradient_flushed_{when}", (getattr(grad.fp16, when) or {}).get("flushed"), i)
-        for tag, hist in (("exponents/activation", act.exponent_histogram),
-                          ("exponents/gradient", grad.exponent_histogram)):
-            by_step.setdefault(i, []).extend(_histogram(tag, hist))
-
-    scalar("summary/fp32/loss", r.summary.fp32.loss, 0)
-    for f in r.formats:
-        s = r.summary.formats.get(f)
-        if s is None:
-            continue
-        scalar(f"summary/{f}/loss", s.loss, 0)
-        scalar(f"summary/{f}/loss_rel_change", s.loss_rel_change, 0)
-        scalar(f"summary/{f}/output_rel_l2", s.output.rel_l2 if s.output else None, 0)
-        scalar(f"summary/{f}/estimated_step_s", s.step_time.estimated_s, 0)
-    events = w._get_file_writer()
-    for step in sorted(by_step):
-        events.add_summary(Summary(value=by_step[step]), step)
-
-    rows = ["| step | module | type | plan |", "|---:|---|---|---|"]
-    for i, L in enumerate(r.layers):
-        name = (L.name or "(model)").replace("|", "\\|")
-        rows.append(f"| {i} | `{name}` | {L.type} | {L.plan.format} |")
-    w.add_text("layers", "\n".join(rows), 0)
+                cells.append("—" if m is None else fmt_num(m.rel_l2))
+        un = L.gradient.output.fp16.unscaled or {}
+        cells += [fmt_num(L.activation.amax), fmt_num(L.activation.headroom_bits.get("fp16")),
+                  fmt_num(un.get("flushed"))]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def _histogram(tag: str, hist: Any) -> list[Any]:

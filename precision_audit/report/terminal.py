@@ -27,7 +27,13 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from ..record import AlignmentRanking, AuditRecord, LossScale, PlanReport, StepTime
+from .grouped import fp8_moves, why_chosen
 from .numbers import fmt_num, fmt_scale, fmt_seconds
+
+#: When the audit records profiler traces, and what shows them (docs/report.md, "TensorBoard"): said once here for
+#: the terminal and the report, so a new way to ask for traces is a change of this line.
+TRACES_WHEN = "--trace records them, with --steps 1 or more (1 by default on a GPU, 0 in emulated mode)"
+PROFILER_TAB = "TensorBoard's PyTorch Profiler tab needs pip install \"precision-audit[tensorboard]\""
 
 STAGE_FORMAT = "{desc} {elapsed}"
 BAR_FORMAT = "  {desc}: {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}]"
@@ -195,9 +201,22 @@ def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
     lines += alignment_lines(r.alignment)
     lines.append(f"  plan: {r.verdict.message}")
     lines += _plan_lines(r.plan)
+    lines += [f"    {name} -> {recipe} (FP8 plan, docs/fp8.md): {reason}" for name, recipe, reason in fp8_moves(r)]
+    why = why_chosen(r.plan)
+    if why:
+        lines.append(f"    why {r.plan.default_format}: {why}")
+    lines.append(_traces_line(r))
     if r.mode == "emulated":
         lines.append("  numerics emulated on the CPU (no GPU); see the report's warnings")
     return "\n".join(lines)
+
+
+def _traces_line(r: AuditRecord) -> str:
+    """Where the profiler traces are, or how to get them."""
+    if r.traces is not None and r.traces.files:
+        tb = f"{r.options.out}/tb" if r.options.out else "<out>/tb"
+        return f"  profiler traces: tensorboard --logdir {tb} ({PROFILER_TAB})"
+    return f"  profiler traces: none in this audit; {TRACES_WHEN}"
 
 
 def _estimate_caveat(r: AuditRecord, target: str) -> list[str]:

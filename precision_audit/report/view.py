@@ -28,12 +28,13 @@ from .. import record as R
 from ..formats import RANGE_FORMATS, SPECS, Format
 from . import charts
 from .audit_json import read, to_json
+from .grouped import columns, gemm_modules, layer_rows, layer_tags, plan_summary
+from .groups import GROUPED_VIEW_MIN_LAYERS, grouping
 from .headline import headline, warnings
 from .numbers import fmt_num, fmt_value
 from .picks import (
     CURVE_KEYS,
     cost_times,
-    gemm_rows,
     given,
     is_gap,
     is_number,
@@ -85,12 +86,24 @@ def build_view(audit: R.AuditRecord, policy: Mapping[str, Any] | None) -> dict[s
     view["step_times"] = {f: step_time(audit, f) or read(R.StepTime, {}) for f in all_formats}
     view["output_gradients"] = [output_gradient(L) or read(R.OutputGradient, {}) for L in layers]
     view["options"] = list(to_json(audit.options).items())  # every option, those a later version adds included
-    view["headline"] = headline(audit, formats)
+    g = grouping(layers)
+    view["grouping"] = g
+    # A model with many modules gets its per-module tables collapsed behind the grouped views (docs/report.md,
+    # "Models with hundreds of layers"); every module stays one search or one click away.
+    view["collapse"] = len(layers) > GROUPED_VIEW_MIN_LAYERS
+    view["group_cols"] = columns(formats)
+    view["group_rows"] = layer_rows(audit, g, formats) if view["collapse"] and g.grouped else []
+    view["layer_tags"] = layer_tags(g, len(layers))
+    view["plan_summary"] = plan_summary(audit, g)
+    view["headline"] = headline(audit, formats, g)
     view["predicted_rel"] = relative_to_fp32(audit.plan.predicted_loss_change, audit)
     view["warnings"] = warnings(audit, formats)
 
     # Per-format step times: estimated on the target (the headline) and measured where the audit ran.
     view["speedup"] = {f: speedup(audit, f) for f in all_formats}
+    # a column of "not measured" in every emulated report says nothing: the note under the table says why
+    view["has_measured"] = any((st := step_time(audit, f)) is not None and st.measured_s is not None
+                               for f in all_formats)
     view["has_estimates"] = any((st := step_time(audit, f)) is not None and st.estimated_s is not None
                                 for f in all_formats)
     skipped = {x.format for x in audit.formats_skipped or []}
@@ -115,6 +128,9 @@ def build_view(audit: R.AuditRecord, policy: Mapping[str, Any] | None) -> dict[s
 
     view["fp8"] = fp8_view({"fp8": audit.fp8} if audit.fp8 is not None else {})
 
+    from .terminal import PROFILER_TAB, TRACES_WHEN
+
+    view["traces_when"], view["profiler_tab"] = TRACES_WHEN, PROFILER_TAB
     view.update(_policy_view(policy))
     return view
 
@@ -126,7 +142,7 @@ def _layer_views(view: dict[str, Any], audit: R.AuditRecord, layers: list[R.Laye
     view["has_cost"] = any(given(L.cost) for L in layers)
     view["cost_gaps"] = sorted({L.cost_note for L in layers if not given(L.cost) and is_gap(L.cost_note)})
     view["misaligned"] = misaligned_rows(layers)  # audit.json files written before the ranked "alignment"
-    view["gemms"] = gemm_rows(layers)
+    view["gemms"] = gemm_modules(layers, ["fp32", "tf32", *formats])
     view["gemm_formats"] = [f for f in dict.fromkeys(["fp32", "tf32", *formats])  # tf32 once, when audited too
                             if any(f in r["times"] for r in view["gemms"])]
     view["has_alignment"] = any(isinstance(L.alignment, (list, tuple, Mapping)) for L in layers)
@@ -137,12 +153,19 @@ def _layer_views(view: dict[str, Any], audit: R.AuditRecord, layers: list[R.Laye
     view["alignment"] = ranked if isinstance(ranked, R.AlignmentRanking) and view["has_alignment"] else None
 
     ls = audit.loss_scale if given(audit.loss_scale) else None
-    view["chart_error"] = _error_chart(names, layers, formats) if layers else None
-    view["chart_ranges"] = _ranges_chart(layers) if layers else None
+    units = view["grouping"].units
+    # Many modules: one point per branch of the module tree (a top-level module, one repeat of a block), so the
+    # chart reads by block instead of as a barcode of hundreds of modules (docs/report.md).
+    by_unit = view["collapse"] and len(units) > 1
+    view["charts_by_unit"] = by_unit
+    view["chart_error"] = ((_unit_error_chart(layers, formats, units) if by_unit
+                            else _error_chart(names, layers, formats, units)) if layers else None)
+    view["chart_ranges"] = _ranges_chart(layers, units, by_unit) if layers else None
     view["chart_grad_hist"], view["grad_hist_note"] = _grad_hist_chart(layers, ls)
     all_times = [cost_times(L.cost) for L in layers]
     chart_formats = list(dict.fromkeys(f for f in ["fp32", "tf32", *formats] if any(f in t for t in all_times)))
-    view["chart_time"] = (charts.time_by_layer(names, {f: [t.get(f) for t in all_times] for f in chart_formats})
+    view["chart_time"] = (charts.time_by_layer(names, {f: [t.get(f) for t in all_times] for f in chart_formats},
+                                               units=units)
                           if chart_formats else None)
     view["time_note"] = ("; ".join(view["cost_gaps"]) if view["cost_gaps"] else
                          "not measured: no layer in this audit.json has an estimated time per format")
@@ -192,7 +215,8 @@ def _memory_view(memory: R.Memory) -> dict[str, Any]:
 # --- charts -----------------------------------------------------------------------------------------------
 
 
-def _error_chart(names: list[str], layers: list[R.LayerReport], formats: list[str]) -> Markup:
+def _error_chart(names: list[str], layers: list[R.LayerReport], formats: list[str],
+                 units: list[tuple[int, int, str]]) -> Markup:
     series = {}
     for f in formats:
         s = charts.ErrorSeries()
@@ -204,7 +228,32 @@ def _error_chart(names: list[str], layers: list[R.LayerReport], formats: list[st
             s.local_missing.append(loc is None)
             s.accumulated.append(acc.rel_l2 if acc is not None and given(acc) else None)
         series[f] = s
-    return charts.error_by_layer(names, series)
+    return charts.error_by_layer(names, series, units=units)
+
+
+def _unit_error_chart(layers: list[R.LayerReport], formats: list[str], units: list[tuple[int, int, str]]) -> Markup:
+    """Per unit: the accumulated error at its own output, and the largest local error among its modules (where
+    error enters inside it; a non-finite one counts as the largest)."""
+    where = {L.name or "(model)": i for i, L in reversed(list(enumerate(layers)))}
+    series = {}
+    for f in formats:
+        s = charts.ErrorSeries()
+        for a, b, label in units:
+            own = where.get(label)
+            e = (layers[own].error or {}).get(f) if own is not None else None
+            acc = e.accumulated if isinstance(e, R.LayerError) else None
+            s.accumulated.append(acc.rel_l2 if acc is not None and given(acc) else None)
+            vals: list[float | None] = []
+            for L in layers[a:b + 1]:
+                le = L.error.get(f)
+                if isinstance(le, R.LayerError) and le.local is not None:
+                    vals.append(le.local.rel_l2)
+            finite = [v for v in vals if v is not None]
+            s.local.append(None if len(finite) < len(vals) else max(finite, default=None))
+            s.local_missing.append(not vals)
+        series[f] = s
+    names = [label for _, _, label in units]
+    return charts.error_by_layer(names, series, units=[(k, k, n) for k, n in enumerate(names)])
 
 
 def _hist_span(h: Any) -> tuple[float, float] | None:
@@ -220,7 +269,7 @@ def _span(h: Any, amax: Any) -> tuple[float, float] | None:
     return (lo_hi[0], math.log2(amax))
 
 
-def _ranges_chart(layers: list[R.LayerReport]) -> Markup:
+def _ranges_chart(layers: list[R.LayerReport], units: list[tuple[int, int, str]], by_unit: bool = False) -> Markup:
     rows = []
     for i, L in enumerate(layers):
         act, grad = L.activation if isinstance(L.activation, R.Activation) else None, output_gradient(L)
@@ -234,7 +283,27 @@ def _ranges_chart(layers: list[R.LayerReport]) -> Markup:
             if g and grad else ""))
     bands = [charts.Band(f.value, math.log2(SPECS[f].min_subnormal), math.log2(SPECS[f].min_normal),
                          math.log2(SPECS[f].max)) for f in BAND_FORMATS]
-    return charts.ranges(rows, bands)
+    if by_unit:  # one bar per unit: the smallest and largest magnitude over its modules
+        return charts.ranges(_unit_ranges(rows, units), bands, units=[(k, k, u[2]) for k, u in enumerate(units)])
+    return charts.ranges(rows, bands, units=units)
+
+
+def _envelope(spans: list[tuple[float, float]]) -> tuple[float, float] | None:
+    return (min(x[0] for x in spans), max(x[1] for x in spans)) if spans else None
+
+
+def _unit_ranges(rows: list[charts.LayerRange], units: list[tuple[int, int, str]]) -> list[charts.LayerRange]:
+    out = []
+    for first, last, label in units:
+        part = rows[first:last + 1]
+        act = _envelope([r.act for r in part if r.act])
+        grad = _envelope([r.grad for r in part if r.grad])
+        out.append(charts.LayerRange(
+            name=label, act=act, grad=grad,
+            act_tip=f"{label} ({last - first + 1} modules) activations: 2^{int(act[0])} to 2^{act[1]:.1f}"
+            if act else "",
+            grad_tip=f"{label} output gradients: 2^{int(grad[0])} to 2^{grad[1]:.1f}" if grad else ""))
+    return out
 
 
 def _grad_hist_chart(layers: list[R.LayerReport], ls: R.LossScale | None) -> tuple[Markup | None, str]:

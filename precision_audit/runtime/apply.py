@@ -11,7 +11,9 @@ survives ``copy.deepcopy`` (the copy's wrapper points at the copy).
   dicts); on CUDA, TF32 is switched off inside (strict IEEE fp32).
 - ``tf32``: as ``fp32``, but with TF32 switched on inside (``torch.backends.cuda.matmul.allow_tf32`` and
   ``torch.backends.cudnn.allow_tf32``, or their ``fp32_precision`` equivalents when the program uses the newer
-  API), the user's exact settings restored after (precision_audit/tf32_switches.py).
+  API), the user's exact settings restored after (precision_audit/tf32_switches.py). On CUDA the module's
+  backward runs under the same switches, and the whole model's under those its forward began in
+  (runtime/backward_tf32.py).
 - ``bf16`` / ``fp16``: autocast in that dtype (e.g. an fp16 module inside a bf16 default). The autocast weight
   cache is only used when the dtype is the policy's default one: a weight shared by modules in two
   low-precision formats would otherwise be served from the cache in the wrong dtype.
@@ -37,6 +39,7 @@ from ..policy import RUNTIME_FORMATS, Policy, named_modules, unwrap_model
 from ..tf32_switches import Tf32State, set_tf32, tf32_enabled
 from ..tf32_switches import restore as tf32_restore
 from ..tf32_switches import snapshot as tf32_snapshot
+from .backward_tf32 import CONTROLLED, forward_state, run_marked
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +100,19 @@ def _infer_device_type(args: tuple, kwargs: dict, module: torch.nn.Module) -> st
 
 class _TF32:
     """Set both TF32 switches inside, restore the user's exact settings after (only touching them when they
-    differ), through the API the program uses (precision_audit/tf32_switches.py)."""
+    differ), through the API the program uses (precision_audit/tf32_switches.py). ``with`` gives whether it
+    changed them."""
 
-    def __init__(self, on: bool) -> None:
-        self.on = on
+    def __init__(self, on: bool, cudnn: bool | None = None) -> None:
+        self.want = (on, on if cudnn is None else cudnn)
         self.saved: Tf32State | None = None
 
-    def __enter__(self) -> None:
-        if tf32_enabled() != (self.on, self.on):
+    def __enter__(self) -> bool:
+        if tf32_enabled() != self.want:
             self.saved = tf32_snapshot()
-            set_tf32(self.on, self.on, legacy=self.saved.legacy is not None)
+            set_tf32(*self.want, legacy=self.saved.legacy is not None)
+            return True
+        return False
 
     def __exit__(self, *exc: Any) -> None:
         if self.saved is not None:
@@ -128,13 +134,31 @@ def _policy_forward(module: torch.nn.Module, state: _ModuleState, *args: Any, **
         args, kwargs = _to_fp32(args), _to_fp32(kwargs)
         with torch.autocast(device_type, enabled=False):
             if device_type == "cuda":
-                with _TF32(state.format == "tf32"):
+                on = state.format == "tf32"
+                with _TF32(on) as changed:
+                    if changed:  # its backward too (runtime/backward_tf32.py)
+                        return run_marked(on, state.name, module, args, kwargs,
+                                          lambda: _call(module, state, args, kwargs))
                     return _call(module, state, args, kwargs)
             return _call(module, state, args, kwargs)
     if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == state.dtype:
         return _call(module, state, args, kwargs)  # already in this format
     with torch.autocast(device_type, dtype=state.dtype, cache_enabled=state.cache):
         return _call(module, state, args, kwargs)
+
+
+def _root_forward(module: torch.nn.Module, state: _ModuleState, *args: Any, **kwargs: Any) -> Any:
+    """The whole model's forward on CUDA, its backward marked to run under the TF32 switches this forward began in
+    (those of :func:`precision_audit.autocast`, or the caller's), as overridden modules' backwards run under theirs
+    (runtime/backward_tf32.py)."""
+    if not state.active or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return _call(module, state, args, kwargs)
+    if (state.device_type or _infer_device_type(args, kwargs, module)) != "cuda":
+        return _call(module, state, args, kwargs)
+    controlled = CONTROLLED.get(module)
+    if controlled is not None and tf32_enabled() == controlled:  # controller.step's backward runs under these
+        return _call(module, state, args, kwargs)
+    return run_marked(forward_state(), "", module, args, kwargs, lambda: _call(module, state, args, kwargs))
 
 
 # -- the handle ----------------------------------------------------------------------------------------------
@@ -177,6 +201,14 @@ class PolicyHandle:
                 module.forward = wrapper
                 self._wrapped.append((module, state, had, prev, wrapper))
                 self.modules[name] = o.format
+            if self._device_type in (None, "cuda"):  # the default region's backward (runtime/backward_tf32.py)
+                had = "forward" in root.__dict__
+                prev = root.__dict__.get("forward")
+                state = _ModuleState(name="", format=p.default_format, dtype=None, cache=False,
+                                     device_type=self._device_type, orig=prev if had else None)
+                wrapper = functools.partial(_root_forward, root, state)
+                root.forward = wrapper
+                self._wrapped.append((root, state, had, prev, wrapper))
         except BaseException:
             self._uninstall()
             raise
@@ -333,10 +365,7 @@ class PolicyAutocast:
         self.device_type = device_type
         self.dtype = _DTYPE_OF_NAME.get(policy.default_format)
         self.enabled = enabled
-        if policy.default_format == "tf32":
-            self.tf32 = (True, True)
-        else:
-            self.tf32 = (policy.tf32_matmul, policy.tf32_cudnn)
+        self.tf32 = policy_tf32(policy)
         self._stack: list[tuple[Tf32State | None, torch.autocast]] = []
 
     def __enter__(self) -> PolicyAutocast:
@@ -362,6 +391,17 @@ class PolicyAutocast:
         finally:
             if saved is not None:
                 tf32_restore(saved)
+
+
+def policy_tf32(policy: Policy) -> tuple[bool, bool]:
+    """The TF32 switches :func:`precision_audit.autocast` sets for the forward: both on for a ``tf32`` default,
+    else the policy's ``tf32`` section."""
+    return (True, True) if policy.default_format == "tf32" else (policy.tf32_matmul, policy.tf32_cudnn)
+
+
+def backward_tf32(policy: Policy) -> _TF32:
+    """The context ``controller.step`` runs the backward in: :func:`policy_tf32`'s switches."""
+    return _TF32(*policy_tf32(policy))
 
 
 def make_grad_scaler(policy: Policy, device: str = "cuda") -> torch.amp.GradScaler:

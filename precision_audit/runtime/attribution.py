@@ -15,6 +15,8 @@ from typing import Any, cast
 import torch
 
 from .. import host_rng
+from ..tf32_switches import restore
+from .backward_tf32 import forward_state, switch_to
 
 OUTSIDE_THE_MODEL = "(outside the model)"
 
@@ -276,18 +278,19 @@ def _versions(x: Any, out: list) -> list:
     return out
 
 
-def _rng_state() -> tuple:
-    """torch's generators and Python's and NumPy's global ones (a forward may draw masks from ``np.random``, as
-    wav2vec2's does): the replay draws what the step drew."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+def _rng_state(cuda_devices: tuple[int, ...]) -> tuple:
+    """torch's CPU generator and those of ``cuda_devices`` (the model's), and Python's and NumPy's global ones (a
+    forward may draw masks from ``np.random``, as wav2vec2's does): the replay draws what the step drew."""
+    cuda = ([(d, torch.cuda.get_rng_state(d)) for d in cuda_devices]
+            if cuda_devices and torch.cuda.is_initialized() else [])
     return torch.get_rng_state(), cuda, host_rng.state()
 
 
 def _set_rng_state(state: tuple) -> None:
     cpu, cuda, host = state
     torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+    for d, s in cuda:
+        torch.cuda.set_rng_state(s, d)
     host_rng.set_state(host)
 
 
@@ -322,20 +325,21 @@ class _ReplayProbe:
         self.dropped = 0
         self._replaying = False
         self._all = list(root.modules())
+        # the CUDA generators a replay must put back: the devices the model lives on (all of them once, not every
+        # GPU of the node at every step)
+        self._cuda = tuple(sorted({t.device.index or 0 for t in (*root.parameters(), *root.buffers()) if t.is_cuda}))
+        if not self._cuda and torch.cuda.is_available():
+            self._cuda = (torch.cuda.current_device(),) if torch.cuda.is_initialized() else (0,)
         self.handles = [root.register_forward_pre_hook(self._pre, with_kwargs=True),
                         root.register_forward_hook(self._post, with_kwargs=True)]
 
     def _pre(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if self._replaying or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return
-        tf32 = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            from ..tf32_switches import snapshot
-
-            tf32 = snapshot()
+        tf32 = forward_state() if self._cuda and torch.cuda.is_initialized() else None
         autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
         self.calls.append(_RootCall(args, dict(kwargs), _versions((args, kwargs), []),
-                                    [(m, dict(m.__dict__)) for m in self._all], _rng_state(),
+                                    [(m, dict(m.__dict__)) for m in self._all], _rng_state(self._cuda),
                                     autocast + (torch.is_autocast_cache_enabled(),), tf32))
         if len(self.calls) > self.MAX_CALLS:
             del self.calls[0]
@@ -362,11 +366,8 @@ class _ReplayProbe:
         with contextlib.ExitStack() as stack:
             for d, (enabled, dtype) in zip(_AUTOCAST_DEVICES, call.autocast):
                 stack.enter_context(torch.autocast(d, dtype=dtype, enabled=enabled, cache_enabled=call.autocast[-1]))
-            if call.tf32 is not None:
-                from ..tf32_switches import restore, snapshot
-
-                saved = snapshot()
-                restore(call.tf32)
+            saved = switch_to(call.tf32) if call.tf32 is not None else None
+            if saved is not None:
                 stack.callback(restore, saved)
             stack.enter_context(torch.enable_grad())
             for m, d in call.dicts:
@@ -390,7 +391,7 @@ class _ReplayProbe:
         after = [(m, dict(m.__dict__), dict(m._buffers)) for m in self._all]
         buffers = [(b, b.detach().clone()) for b in {id(b): b for _, _, bs in after for b in bs.values()
                                                        if b is not None}.values()]
-        rng = _rng_state()
+        rng = _rng_state(self._cuda)
         self._replaying = True
         try:
             if not why:

@@ -2,23 +2,24 @@
 
 ``controller.step(loss)`` does, in this order, what a hand-written ``torch.amp`` loop does, plus checks::
 
-    scaler.scale(loss).backward()
+    scaler.scale(loss).backward()          -- under the policy's TF32 switches (runtime/backward_tf32.py)
     scaler.unscale_(optimizer)
     total gradient norm; under torch.distributed: all-reduce (MAX) of found_inf and "norm not finite"
-    [clip to max_grad_norm]
-    one device sync (loss, norm, found_inf, scale)
+    one device sync (loss, norm, found_inf, scale: runtime/readout.py) -- the step's only one when it is clean
     only if found_inf or the norm is not finite: per-module non-finite scan (decides the skip, agreed across
-    ranks) and the source attribution (forward hooks' records, one more sync)
-    scaler.step(optimizer) -- skipped whenever a gradient is non-finite, in every format; scaler.update()
+    ranks) and the source attribution (a replay of the forward, or per-call records)
+    [clip to max_grad_norm, on a step that updates: after the check, so a NaN norm cannot poison the scan]
+    optimizer.step() -- skipped whenever a gradient is non-finite, in every format (as scaler.step would, on
+    the flags already read); scaler.update()
     optimizer.zero_grad(set_to_none=True); monitor.observe(...)
 
 Without faults the GradScaler's state is step for step the one of the plain loop (tests/runtime/test_runtime.py).
 
 **No non-finite update, in any format** (docs/policy.md, "The runtime"). With a GradScaler, a non-finite gradient
-makes ``scaler.step`` skip and ``scaler.update`` back off (the controller sets found_inf itself for gradients
-the GradScaler does not see: optimizer parameters it was not given). Without one (bf16, fp32, fp16 with loss
-scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm is only the gate: a
-norm that overflows from finite gradients does not skip. Skipped steps are counted
+makes the step skip as ``scaler.step`` would and ``scaler.update`` back off (the controller sets found_inf
+itself for gradients the GradScaler does not see: optimizer parameters it was not given). Without one (bf16,
+fp32, fp16 with loss scaling off) the controller does not call ``optimizer.step()``. The non-finite total norm
+is only the gate: a norm that overflows from finite gradients does not skip. Skipped steps are counted
 (``controller.skipped_steps``) and logged at WARNING, with their source; a GradScaler backoff from an overflow
 in the scaled backward (finite forward, scale > 1) is routine and logged at INFO.
 
@@ -73,12 +74,23 @@ import os
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
-from .apply import _ACTIVE, LOW_PRECISION_DTYPES, PolicyHandle, apply_policy, make_grad_scaler
+from .apply import (
+    _ACTIVE,
+    LOW_PRECISION_DTYPES,
+    PolicyHandle,
+    apply_policy,
+    backward_tf32,
+    make_grad_scaler,
+    policy_tf32,
+)
 from .attribution import OUTSIDE_THE_MODEL, Attribution, _is_dtensor, _local, _ReplayProbe, _SourceProbe, stored_values
+from .backward_tf32 import CONTROLLED
 from .monitor import StabilityMonitor, StepRecord
+from .readout import Readout
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +189,7 @@ class PrecisionController:
         self.scaler = make_grad_scaler(policy, self.device_type)
         self._step = 0
         self._skipped = 0
+        self._readout = Readout()
         self._streaks: dict[str, list[int]] = {}
         self._reported_fp32_sources: set[str] = set()
         self._own_handle: PolicyHandle | None = None
@@ -192,6 +205,7 @@ class PrecisionController:
                 self._probe = _SourceProbe(modules, backward=adaptive)
             else:
                 self._probe = _ReplayProbe(self.root, modules)
+        CONTROLLED[self.root] = policy_tf32(policy)  # step() sets these for the backward (runtime/backward_tf32.py)
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
                      "this point")
@@ -225,6 +239,7 @@ class PrecisionController:
         if self._own_handle is not None:
             self._own_handle.remove()
             self._own_handle = None
+        CONTROLLED.pop(self.root, None)
 
     def step(self, loss: torch.Tensor) -> StepRecord:
         """Backward, unscale, non-finite check, optimizer step (skipped if any gradient is non-finite), scaler
@@ -234,62 +249,30 @@ class PrecisionController:
                               found=type(loss).__name__ if not isinstance(loss, torch.Tensor) else
                               f"a tensor of shape {tuple(loss.shape)}")
         self._step += 1
-        scaler, opt = self.scaler, self.optimizer
+        scaler = self.scaler
         attribution: Attribution | None = None
+        nonfinite: tuple[str, ...] = ()
+        skip = False
         try:
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            dev = loss.device
-            grads = [stored_values(p.grad) for p in self._params if p.grad is not None]  # sparse: its values
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=dev)
-            if _is_dtensor(norm):  # FSDP2: the norm of the shards, reduced across ranks (a collective)
-                norm = norm.full_tensor()  # type: ignore[attr-defined]
-            norm = norm.to(dev).float()
-            found_infs = self._found_infs()
-            found = _found_any(found_infs, dev)
-            # A non-finite total norm is the cheap gate (no extra pass over the gradients on a clean step); the
-            # per-module scan below decides, since a norm can also overflow from finite gradients.
-            flags = torch.stack([found, (~torch.isfinite(norm)).float()])
-            distributed = self._distributed()
-            if distributed:
-                import torch.distributed as dist
-
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-                for v in found_infs:  # every rank now skips (and backs off) together
-                    v.copy_(flags[0].to(v.device).reshape(v.shape))
-            if self.max_grad_norm is not None:
-                self._clip(norm)
-            scale_t = self._scale_tensor(dev)
-            # one device sync for everything the monitor needs
-            loss_v, norm_v, found_v, bad_norm, scale_v = torch.cat(
-                [loss.detach().float().reshape(1), norm.reshape(1), flags, scale_t]).tolist()
-            scale_used = scale_v if scaler.is_enabled() else None
-            bad = found_v > 0 or bad_norm > 0
-            nonfinite: tuple[str, ...] = ()
-            skip = False
+            with backward_tf32(self._policy):  # the forward's switches (overridden modules set their own)
+                scaler.scale(loss).backward()
+            scaler.unscale_(self.optimizer)
+            norm, found_infs, seen = self._check(loss)
+            loss_v, norm_v = seen["loss"], seen["norm"]
+            found_v = seen.get("found_inf", 0.0)
+            scale_used = seen["scale"] if "scale" in seen else None
+            bad_norm = seen["bad_norm"] > 0 if "bad_norm" in seen else not math.isfinite(norm_v)
+            bad = found_v > 0 or bad_norm
             if bad:  # every rank gets here together (the flags are agreed), so the collectives below match
-                nonfinite = self._scan_modules()
-                mine = torch.tensor([1.0 if nonfinite else 0.0], device=dev)
-                skip = found_v > 0 or self._reduce_max(mine).item() > 0
-                if self._probe is not None:
-                    backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
-                    attribution = self._probe.evaluate({n for n in nonfinite if n != OUTSIDE_THE_MODEL},
-                                                       backward_counts, dev, self._reduce_max,
-                                                       self._agree_text if distributed else None)
-                if skip and found_v == 0:
-                    # non-finite where the GradScaler does not look (parameters outside the optimizer): make it
-                    # skip and back off as it does for its own finds
-                    for v in found_infs:
-                        v.fill_(1.0)
-            # The update: never with a non-finite gradient, whatever the format (docs/policy.md). A disabled scaler's
-            # step() is a plain optimizer.step(), so a skipped step does not call it at all.
-            if not skip or scaler.is_enabled():
-                scaler.step(opt)
+                nonfinite, skip, attribution = self._on_bad_step(found_infs, found_v > 0, scale_used, loss.device)
+            if not skip and self.max_grad_norm is not None:
+                self._clip(norm)  # after the check: a non-finite norm would multiply every gradient by NaN
+            self._optimizer_step(skip)
             scaler.update()
         finally:
             if self._probe is not None:
                 self._probe.clear()
-        opt.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         if skip:
             self._skipped += 1
             self._report_skip(loss_v, scale_used, nonfinite, attribution)
@@ -304,6 +287,75 @@ class PrecisionController:
                                     source_detail=attribution.detail if attribution and attribution.source is not None
                                     else "")
 
+    def _check(self, loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, Any]]:
+        """The step's device values, read with its one device sync (runtime/readout.py): the loss, the total norm
+        of the unscaled gradients (the non-finite gate without a GradScaler: one read of every gradient, as the
+        hand-written check), the GradScaler's found-inf flag and scale; under torch.distributed the two flags
+        are first all-reduced (MAX) so that every rank skips the same steps. Returns (norm, found_infs, values)."""
+        dev = loss.device
+        grads = []
+        for p in self._params:
+            g = p.grad
+            if g is not None:
+                grads.append(g if g.layout == torch.strided else stored_values(g))  # sparse: its values
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=dev)
+        if _is_dtensor(norm):  # FSDP2: the norm of the shards, reduced across ranks (a collective)
+            norm = norm.full_tensor()  # type: ignore[attr-defined]
+        readout = self._readout
+        readout.add("loss", loss)
+        readout.add("norm", norm)
+        found_infs = self._found_infs()
+        if found_infs:
+            readout.add("scale", self.scaler._scale)  # type: ignore[arg-type]  # the scale this step used
+        if self._distributed():
+            import torch.distributed as dist
+
+            flags = torch.stack([_found_any(found_infs, dev), (~torch.isfinite(norm.to(dev))).float()])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+            for v in found_infs:  # every rank now skips (and backs off) together
+                v.copy_(flags[0].to(v.device).reshape(v.shape))
+            readout.add("found_inf", flags[0])
+            readout.add("bad_norm", flags[1])
+        elif found_infs:
+            readout.add("found_inf", _found_any(found_infs, dev))
+        return norm, found_infs, readout.read()
+
+    def _on_bad_step(self, found_infs: list[torch.Tensor], found: bool, scale_used: float | None,
+                     dev: torch.device) -> tuple[tuple[str, ...], bool, Attribution | None]:
+        """A step whose GradScaler found an inf or whose norm is not finite: which modules' gradients are non-finite
+        (agreed across ranks; it decides the skip, since a norm can overflow from finite gradients) and where the
+        values started. Returns (non-finite modules, skip, attribution)."""
+        nonfinite = self._scan_modules()
+        skip = found or bool(nonfinite)
+        attribution = None
+        if self._probe is not None:
+            backward_counts = scale_used is None or scale_used <= BACKWARD_SOURCE_MAX_SCALE
+            attribution = self._probe.evaluate({n for n in nonfinite if n != OUTSIDE_THE_MODEL}, backward_counts,
+                                               dev, self._reduce_max,
+                                               self._agree_text if self._distributed() else None)
+        if skip and not found:
+            # non-finite where the GradScaler does not look (parameters outside the optimizer): make it skip and
+            # back off as it does for its own finds
+            for v in found_infs:
+                v.fill_(1.0)
+        return nonfinite, skip, attribution
+
+    def _optimizer_step(self, skip: bool) -> None:
+        """The update: never with a non-finite gradient, whatever the format (docs/policy.md)."""
+        scaler, opt = self.scaler, self.optimizer
+        if not scaler.is_enabled():  # a disabled scaler's step() is a plain optimizer.step()
+            if not skip:
+                opt.step()
+            return
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            scaler.step(opt)  # a fused optimizer takes found_inf on the device (no sync)
+            return
+        # GradScaler.step would read found_inf again (a second device sync per step) to decide what the controller
+        # has just decided with the same flags (skip == found_inf, agreed across ranks): step, or not, as it would
+        if not skip:
+            opt.step()
+        self.scaler._per_optimizer_states[id(opt)]["stage"] = OptState.STEPPED
+
     # -- internals ---------------------------------------------------------------------------------------
     def _clip(self, norm: torch.Tensor) -> None:
         """Clip the gradients to ``max_grad_norm`` given their total ``norm``."""
@@ -316,14 +368,6 @@ class PrecisionController:
         for p in self._params:
             if p.grad is not None:
                 _local(p.grad).mul_(coef.to(_local(p.grad).device, _local(p.grad).dtype))
-
-
-    def _scale_tensor(self, device: torch.device) -> torch.Tensor:
-        """The scale used this step as a 1-element tensor (read without a device sync where possible)."""
-        scale = getattr(self.scaler, "_scale", None) if self.scaler.is_enabled() else None
-        if isinstance(scale, torch.Tensor):
-            return scale.detach().to(device, torch.float32).reshape(1)
-        return torch.tensor([self.scaler.get_scale() if self.scaler.is_enabled() else 0.0], device=device)
 
     def _found_infs(self) -> list[torch.Tensor]:
         if not self.scaler.is_enabled():

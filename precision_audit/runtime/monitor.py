@@ -25,6 +25,9 @@ from ..errors import OptionError
 
 log = logging.getLogger(__name__)
 
+#: A loss spike's scale is at least this many robust standard deviations of the window (see StabilityMonitor).
+SPREAD_FACTOR = 3.0
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -55,10 +58,14 @@ class StepRecord:
 class StabilityMonitor:
     """Records :class:`StepRecord` s, detects loss spikes, keeps run-wide counts, and logs.
 
-    A loss spike is a finite loss above ``spike_factor`` x the median of the last ``spike_window`` finite
-    losses (for a negative median: more than ``(spike_factor - 1) x |median|`` above it), checked once at least
-    ``min_history`` losses are in the window. ``history`` keeps the last ``history_limit`` records (None: all);
-    ``summary()`` counts over every step.
+    A loss spike is a finite loss more than ``(spike_factor - 1) x s`` above the median of the last
+    ``spike_window`` finite losses, checked once at least ``min_history`` losses are in the window, where ``s``
+    (the window's scale, :meth:`scale`) is the larger of the median when it is positive and 3 x the window's
+    robust spread (1.4826 x the median absolute deviation, the standard deviation for normal noise). For an
+    ordinary positive loss, steady against its size, that is the loss above ``spike_factor`` x the median; a loss
+    that can be negative (a reward term) or sits near zero is judged against its own noise: its median's size says
+    nothing there. ``history`` keeps the last ``history_limit`` records (None: all); ``summary()`` counts over
+    every step.
     """
 
     def __init__(self, *, spike_window: int = 50, spike_factor: float = 3.0, min_history: int = 5,
@@ -84,12 +91,21 @@ class StabilityMonitor:
         self.max_grad_norm_seen = 0.0
         self.last: StepRecord | None = None
 
+    @staticmethod
+    def scale(window: list[float], median: float) -> float:
+        """The window's scale: max(median if positive, 3 x 1.4826 x median absolute deviation); ``|median|`` for a
+        window with no spread and no positive median (all equal), so that a flat series still has a size."""
+        spread = 1.4826 * statistics.median(abs(v - median) for v in window)
+        s = max(median if median > 0 else 0.0, SPREAD_FACTOR * spread)
+        return s if s > 0 else abs(median)
+
     def is_spike(self, loss: float) -> tuple[bool, float | None]:
         """(whether ``loss`` spikes against the current window, the window's median or None)."""
         if not math.isfinite(loss) or len(self._window) < self.min_history:
             return False, None
-        med = statistics.median(self._window)
-        return loss > med + (self.spike_factor - 1.0) * abs(med) and loss != med, med
+        window = list(self._window)
+        med = statistics.median(window)
+        return loss - med > (self.spike_factor - 1.0) * self.scale(window, med), med
 
     def observe(self, *, step: int, loss: float, scale: float | None, skipped: bool, grad_norm: float,
                 nonfinite_modules: tuple[str, ...] = (), sources: tuple[str, ...] = (),
@@ -120,8 +136,8 @@ class StabilityMonitor:
                      f" (from {', '.join(sources)})" if sources else "",
                      f"; step skipped at loss scale {scale:g}" if skipped and scale is not None else "")
         if spike:
-            log.warning("step %d: loss spike %.6g > %g x running median %.6g (last %d steps)", step, loss,
-                        self.spike_factor, med, len(self._window) - 1)
+            log.warning("step %d: loss spike %.6g, more than %g x the window's scale above its running median %.6g "
+                        "(last %d steps)", step, loss, self.spike_factor - 1.0, med, len(self._window) - 1)
         return rec
 
     def summary(self) -> dict[str, Any]:

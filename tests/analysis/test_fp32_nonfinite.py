@@ -1,5 +1,5 @@
 """Issue 11, class 3: FP32's own non-finite values are reported as FP32's, and no low-precision format is judged
-unsafe for them (README.md, "FP32's own non-finite values").
+unsafe for them (docs/report.md, "FP32's own non-finite values").
 
 Two hand-built models make inf/NaN in FP32 at known places:
 

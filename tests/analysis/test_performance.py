@@ -93,19 +93,25 @@ def test_flop_counts_equal_hand_counts():
     assert dict((d, s) for d, _, s in g.dims) == {"E": 8}
 
 
-def test_roofline_big_bf16_gemm_is_within_10_percent_of_peak():
+def test_roofline_big_bf16_gemm_is_at_the_calibrated_share_of_peak():
+    """Issue 31: 75% of the dense peak x K / (K + 290) (analysis/cost.py's calibration), x the last wave's
+    occupancy (64 x 64 tiles of 128 over 132 SMs: 32 waves, the last one 4096 - 31 x 132 = 1 tile short of full)."""
     g = _gemm(8192, 8192, 8192)
     ideal = 2 * 8192**3 / 989.4e12
-    assert gemm_time(g, Format.BF16, H100) == pytest.approx(ideal, rel=0.10)
+    share = 0.75 * 8192 / (8192 + 290) * 4096 / (32 * 132)
+    assert gemm_time(g, Format.BF16, H100) == pytest.approx(ideal / share, rel=1e-9)
 
 
 def test_elementwise_is_bandwidth_bound_and_gemm_small_k_is_too():
     n = 1 << 24
-    assert bytes_time(3 * n * 2, H100) == pytest.approx(3 * n * 2 / 3.35e12, rel=1e-9)
-    # a GEMM with K=1 does 2 FLOPs per output element: memory, not compute, decides its time
+    bw = 3.35e12 * 0.8  # the achievable share of the datasheet bandwidth (analysis/cost.py's calibration)
+    assert bytes_time(3 * n * 2, H100) == pytest.approx(3 * n * 2 / bw, rel=1e-9)
+    # a GEMM with K=1 does 2 FLOPs per output element: writing its output takes about as long as its tiles' fixed
+    # cost (the calibration's K_half of 290), nothing like its 2 x 8192^2 FLOPs at the Tensor Core peak
     g = _gemm(8192, 8192, 1)
     t = gemm_time(g, Format.BF16, H100)
-    assert t == pytest.approx((8192 * 1 + 1 * 8192 + 8192 * 8192) * 2 / 3.35e12, rel=1e-6)
+    memory = (8192 * 1 + 1 * 8192 + 8192 * 8192) * 2 / bw
+    assert memory <= t <= 1.1 * memory and t > 100 * 2 * 8192**2 / 989.4e12
 
 
 @pytest.mark.parametrize("size", [7, 9, 63, 65, 257, 1001, 50257])
@@ -174,7 +180,7 @@ def test_estimates_are_labelled_and_bf16_beats_fp32(sample_audits):
 
 
 def test_profiler_traces_are_written_and_hold_events_for_each_format(sample_audits):
-    _, out, _ = sample_audits.get("mlp", steps=1)  # timed steps are off by default in emulated mode
+    _, out, _ = sample_audits.get("mlp", steps=1, trace=True)  # timed steps are off by default in emulated mode
     a = json.loads((out / "audit.json").read_text())
     files = a["traces"]["files"]
     for fmt in ("fp32", "fp16", "bf16"):
@@ -201,8 +207,14 @@ def test_memory_parameters_gradients_optimizer_exact_and_activations_near_hand_c
     assert a["memory"]["advice"]
 
 
-def test_layer_costs_add_up_to_the_step_estimate(sample_audits):
+def test_layer_costs_and_the_loss_add_up_to_the_step_estimate(sample_audits):
+    """The loss runs outside every module: it is in the step, in no layer, and the assumptions say how much."""
+    import re
+
     a = sample_audits.audit_json("cnn")
+    line = next(s for s in a["estimates"]["assumptions"] if s.startswith("the ops outside the model's modules"))
+    loss = {f: float(v) * 1e-6 for f, v in re.findall(r"(\w+) ([0-9.e+-]+) µs", line)}
     for f in ("fp32", "bf16"):
         total = sum((L["cost"] or {}).get("estimated_step_time_s", {}).get(f, 0.0) for L in a["layers"])
-        assert total == pytest.approx(a["estimates"]["step_time_s"][f], rel=1e-9)
+        assert loss[f] > 0
+        assert total + loss[f] == pytest.approx(a["estimates"]["step_time_s"][f], rel=1e-5)

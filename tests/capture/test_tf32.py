@@ -200,10 +200,12 @@ def _audit(budget=None, target="a100", formats="tf32"):
 
 def test_the_tf32_pass_measures_the_known_error_of_a_hand_made_model_and_turns_tf32_on(monkeypatch):
     # a 4x4 GEMM is launch-bound: at the cost model's per-kernel floor every format ties with FP32 and uniform
-    # fp32 is returned (tests/analysis/test_cost_floor.py); this test is about TF32's speed from its peak, so no floor
+    # fp32 is returned (tests/analysis/test_cost_floor.py), and with K = 4 its tiles' fixed cost outweighs TF32's
+    # peak (analysis/cost.py's calibration); this test is about TF32's speed from its peak, so neither
     from precision_audit.analysis import cost
 
     monkeypatch.setattr(cost, "KERNEL_FLOOR_S", 0.0)
+    monkeypatch.setattr(cost, "K_HALF_AT_BF16_PEAK", 0.0)
     r = _audit()
     a = r.audit
     assert a["formats"] == ["tf32"]
@@ -305,6 +307,41 @@ def test_the_cuda_tf32_pass_runs_forward_and_backward_with_both_switches_on_and_
         # the reference (forward, its re-run alone in TF32, backward), then the TF32 pass
         assert forward == [(False, False), (True, True), (True, True)]
         assert backward == [(False, False), (True, True)]
+        assert snapshot() == before
+    finally:
+        restore(saved)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("user", ["legacy-high", "new-tf32"])
+def test_cuda_bf16_passes_and_local_reruns_run_under_the_same_tf32_switches(user, fake_cuda):
+    """Issue 31 item 7: a local re-run in BF16 ran inside the FP32 reference (TF32 off) while the whole BF16 pass ran
+    under the user's switches (here on): what autocast leaves in fp32 was computed two ways. Both strict now, as
+    the emulation computes them, forward and backward, with the user's settings back after."""
+    from precision_audit.capture.runner import CaptureConfig, CaptureSession
+    from precision_audit.tf32_switches import restore, snapshot, tf32_enabled
+
+    saved = snapshot()
+    try:
+        if user == "legacy-high":
+            torch.set_float32_matmul_precision("high")
+        else:
+            torch.backends.fp32_precision = "tf32"
+        before = snapshot()
+        assert tf32_enabled() == (True, True)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        forward, backward = [], []
+        model[0].register_forward_pre_hook(lambda m, a: forward.append(tf32_enabled()))
+        model[0].register_full_backward_hook(lambda m, gi, go: backward.append(tf32_enabled()))
+        x = torch.randn(4, 8, device="cuda")
+        cfg = CaptureConfig(formats=(Format.BF16,), device="cuda", mode="cuda", timed_steps=1)
+        with CaptureSession(model, lambda m: m(x), lambda out: out.float().pow(2).mean(), cfg) as s:
+            s.reference_run()
+            assert s.format_run(Format.BF16).error is None
+            s.timed_steps(1)
+        # reference forward, its BF16 re-run, the BF16 pass, then the timed steps (fp32 and bf16, each warm-up + 1)
+        assert forward and set(forward) == {(False, False)}, forward
+        assert backward and set(backward) == {(False, False)}, backward
         assert snapshot() == before
     finally:
         restore(saved)

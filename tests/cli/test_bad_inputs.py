@@ -209,10 +209,10 @@ def policy_for_another_model(d: Path) -> Callable[[], Any]:
 
 def claim_cuda(mp: pytest.MonkeyPatch) -> None:
     """Make the audit believe a GPU is present (to reach the --emulate/--device cuda check on any machine)."""
-    import precision_audit.audit as audit_module
+    import precision_audit.options as options_module  # set_up's (precision_audit/options.py)
 
-    real = audit_module.detect
-    mp.setattr(audit_module, "detect", lambda: dataclasses.replace(real(), cuda_available=True))
+    real = options_module.detect
+    mp.setattr(options_module, "detect", lambda: dataclasses.replace(real(), cuda_available=True))
 
 
 def unwritable_dir(d: Path) -> str:

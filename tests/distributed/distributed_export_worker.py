@@ -1,6 +1,6 @@
 """One rank of tests/distributed/test_distributed_runtime_export.py, started by torchrun (gloo, CPU):
 imports the file that ``precision-audit export POLICY --to fsdp`` generated, shards the test model with
-its ``shard_fsdp2`` and trains 4 steps with its ``scaler`` (ShardedGradScaler),
+its ``shard_fsdp2`` and trains 4 steps under its ``forward_autocast`` with its ``scaler`` (ShardedGradScaler),
 with an overflow on rank 1 only at step 2.
 
     python -m torch.distributed.run --nproc-per-node 2 --standalone tests/distributed/distributed_export_worker.py \\
@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed_runtime_worker import Net, full_params  # noqa: E402
+
+from precision_audit.capture.emulation import CudaAutocastPolicy  # noqa: E402
 
 STEPS = 4
 INJECTED = 2
@@ -48,7 +50,9 @@ def main() -> None:
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
         model.mid.inject = rank == BAD_RANK and step == INJECTED
         before = full_params(model)
-        out = model(x)
+        # the generated forward context (the policy's autocast), with CUDA's autocast op policy emulated on the CPU
+        with CudaAutocastPolicy(), gen.forward_autocast("cpu"):
+            out = model(x)
         loss = F.mse_loss(out.float(), y)
         scaler.scale(loss).backward()
         scale = scaler.get_scale()

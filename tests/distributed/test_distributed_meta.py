@@ -10,6 +10,7 @@ audit's per-module records (docs/distributed.md, "Memory per rank"). Also the 4-
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from precision_audit.distributed.compare import differences  # noqa: E402
-from test_distributed_audit import SAMPLES, audit  # noqa: E402
+from test_distributed_audit import ROOT, SAMPLES, _env, audit  # noqa: E402
 
 META_MODEL = '''
 import torch
@@ -101,8 +102,12 @@ def test_meta_model_without_init_weights_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_four_ranks_equal_one_process(tmp_path):
+    """Four ranks under torchrun itself: ``--nproc`` starts at most one rank per core (docs/distributed.md, "Ranks,
+    devices and backends"), and this test must run on 2-core machines too."""
     one = audit(str(SAMPLES / "mlp" / "model.py"), "--out", str(tmp_path / "one"))
-    four = audit(str(SAMPLES / "mlp" / "model.py"), "--out", str(tmp_path / "four"), "--nproc", "4")
+    four = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "precision_audit", str(SAMPLES / "mlp" / "model.py"), "--out", str(tmp_path / "four"),
+                           "-q"], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     assert four.returncode == one.returncode == 0, four.stderr[-3000:]
     a = json.loads((tmp_path / "one" / "audit.json").read_text())
     b = json.loads((tmp_path / "four" / "audit.json").read_text())

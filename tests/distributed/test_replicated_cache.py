@@ -10,12 +10,14 @@ import weakref
 import torch
 
 from precision_audit.distributed import session as dsession
+from precision_audit.distributed.lockstep import Lockstep
 
 
 def _bare(monkeypatch) -> tuple[dsession.DistributedCaptureSession, list]:
     s = object.__new__(dsession.DistributedCaptureSession)
     s._same_everywhere = {}
     s.group = None
+    s._lockstep = Lockstep()
     calls: list = []
     monkeypatch.setattr(dsession.dist, "all_reduce", lambda t, op=None, group=None: calls.append(op))
     return s, calls
@@ -24,8 +26,8 @@ def _bare(monkeypatch) -> tuple[dsession.DistributedCaptureSession, list]:
 def test_the_same_tensor_is_asked_once(monkeypatch):
     s, calls = _bare(monkeypatch)
     t = torch.ones(4)
-    assert s._replicated(t) is True and len(calls) == 2  # MIN and MAX: one rank alone is "the same everywhere"
-    assert s._replicated(t) is True and len(calls) == 2  # answered from the cache, no collective
+    assert s._replicated(t) is True and len(calls) == 1  # max and -min in one: one rank alone is "the same everywhere"
+    assert s._replicated(t) is True and len(calls) == 1  # answered from the cache, no collective
 
 
 def test_a_stale_entry_under_the_same_key_is_not_an_answer(monkeypatch):
@@ -33,4 +35,4 @@ def test_a_stale_entry_under_the_same_key_is_not_an_answer(monkeypatch):
     t, other = torch.ones(4), torch.ones(4)
     # what a freed tensor leaves when the new one gets its id and address: the key matches, the object does not
     s._same_everywhere[s._tensor_key(t)] = (weakref.ref(other), False)
-    assert s._replicated(t) is True and len(calls) == 2  # asked again, as every other rank does
+    assert s._replicated(t) is True and len(calls) == 1  # asked again, as every other rank does

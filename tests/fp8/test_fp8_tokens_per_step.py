@@ -38,7 +38,7 @@ def test_the_plan_is_priced_at_the_given_rows_per_step(tmp_path):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--formats", "fp8_e4m3", "--tokens-per-step", "0"], "whole number >= 1"),
+    (["--formats", "fp8_e4m3", "--tokens-per-step", "0"], "whole number from 1 to"),
     (["--formats", "bf16", "--tokens-per-step", "4096"], "no FP8 format"),
 ])
 def test_bad_tokens_per_step_is_refused(tmp_path, capsys, argv, says):

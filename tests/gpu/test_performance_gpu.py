@@ -57,13 +57,17 @@ def test_measured_layer_times_and_padded_gemm_timing(tmp_path, gpu):
 
 
 def test_predicted_vs_measured_bf16_speedup_on_a_gpt_that_fills_the_gpu(tmp_path, gpu):
+    """Issue 31: within 20% of the measured speed-up, the GPU it runs on as the target (the H200 run of
+    2026-11-27 read 7.79x predicted for an H100 target against 5.36x measured; the calibration of
+    analysis/cost.py gives 6.17x for an H200 target: docs/gpu.md, "The cost model's calibration")."""
     size = (12, 1024, 50304, 16, 512) if gpu.real else (1, 64, 1024, 2, 16)
     a = run_audit(AuditOptions(model=str(_gpt(tmp_path, *size)), out=tmp_path / "o",
-                               target="h100", steps=3 if gpu.real else 1, formats=None)).audit
+                               target=None if gpu.real else "h100", steps=3 if gpu.real else 1, formats=None)).audit
     measured = a["summary"]["fp32"]["step_time"]["measured_s"] / a["summary"]["bf16"]["step_time"]["measured_s"]
     predicted = a["estimates"]["speedup_vs_fp32"]["bf16"]
     print(f"BF16 over FP32: predicted {predicted:.2f}x, measured {measured:.2f}x on {torch.cuda.get_device_name()}")
     assert a["summary"]["bf16"]["step_time"]["measured_on"] == f"{torch.cuda.get_device_name()} (cuda)"
     if gpu.real:
         assert measured > 1.5, "BF16 should be clearly faster than strict FP32 on a GPU this size"
-        assert 0.2 < measured / predicted < 5, "the cost model should be within a factor of a few of reality"
+        assert a["target"]["reason"].startswith("detected"), a["target"]
+        assert abs(predicted / measured - 1) <= 0.2, "the calibrated cost model should be within 20% of the GPU"

@@ -220,12 +220,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "tf32": torch.float32}
+
+
+def _policy_step(model, children, x, y, enter) -> tuple[float, dict[str, torch.dtype]]:
+    """One forward and backward of fp16_trouble under CUDA's autocast op policy (emulated on the CPU:
+    capture/emulation.py) and ``enter()``'s context; returns the loss and the output dtype of each of ``children``
+    (its top-level modules, taken before any FSDP wrapper renamed them)."""
+    from precision_audit.capture.emulation import CudaAutocastPolicy
+
+    seen: dict[str, torch.dtype] = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o.dtype))
+             for n, m in children.items()]
+    try:
+        with CudaAutocastPolicy(), enter():
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(loss.detach()), seen
+
+
 @pytest.mark.parametrize("name", ["fp16+hot", "bf16+fp16-head", "fp32+bf16-faint"])
-def test_fsdp_snippet_runs_on_a_one_process_group(name, policy_file):
-    """The generated FSDP1 and FSDP2 helpers wrap the model and run it (gloo, world size 1, CPU)."""
+def test_fsdp_snippet_reproduces_the_policy_on_a_one_process_group(name, policy_file):
+    """The generated FSDP1 and FSDP2 helpers, run (gloo, world size 1, CPU, CUDA's autocast op policy emulated):
+    each overridden module outputs its own format's dtype and the loss is the runtime's (apply_policy + autocast
+    without FSDP) to fp16 rounding of the parameters. On the V100 policy (fp16, 'hot' kept in fp32 for its 2e5
+    outputs) the FSDP2 code cast hot's output back to fp16 (output_dtype): inf, and a NaN loss."""
     import warnings
 
     import torch.distributed as dist
+
+    import precision_audit as pa
 
     p = POLICIES[name]
     out = export_policy(p, "fsdp", policy_path=policy_file(p))
@@ -240,28 +268,36 @@ def test_fsdp_snippet_runs_on_a_one_process_group(name, policy_file):
         assert mp is None
     else:
         assert (mp.param_dtype, mp.reduce_dtype, mp.buffer_dtype) == (whole, torch.float32, torch.float32)
-    assert set(ns["MODULE_FORMATS"]) == set(p.modules)
+    assert ns["MODULE_FORMATS"] == {n: _DTYPE[o.format] for n, o in p.modules.items()}
     formats = {p.default_format, *[o.format for o in p.modules.values()]}
     assert (ns["scaler"] is not None) == (p.loss_scaling.enabled or "fp16" in formats)
+    x, y = fp16_trouble.sample_batch()
+    plain = fp16_trouble.build_model()
+    handle = pa.apply_policy(plain, p)
+    try:
+        expected, expected_dtypes = _policy_step(plain, dict(plain.named_children()), x, y,
+                                                 lambda: pa.autocast(p, "cpu"))
+    finally:
+        handle.remove()
+    assert math.isfinite(expected)
+    want = {n: _DTYPE[o.format] for n, o in p.modules.items()}
+    assert {n: expected_dtypes[n] for n in want} == want
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        x, _ = fp16_trouble.sample_batch()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fsdp1 = ns["wrap_fsdp1"](fp16_trouble.build_model(), device_id=torch.device("cpu"))
-            fsdp2 = ns["shard_fsdp2"](fp16_trouble.build_model())
-        assert all("." not in n for n in p.modules), "these cases override top-level modules only"
-        for model in (fsdp1, fsdp2):
-            seen: dict[str, torch.dtype] = {}
-            for n in p.modules:
-                model.get_submodule(n).register_forward_hook(
-                    lambda m, i, o, n=n, seen=seen: seen.__setitem__(n, o.dtype))
-            y = model(x)
-            assert y.dtype == (whole or torch.float32)
-            # every unit ran, and its output was cast back to its parent's (here: the model's) dtype
-            assert seen == {n: whole or torch.float32 for n in p.modules}
+            m1, m2 = fp16_trouble.build_model(), fp16_trouble.build_model()
+            models = {"fsdp1": (ns["wrap_fsdp1"](m1, device_id=torch.device("cpu")), dict(m1.named_children())),
+                      "fsdp2": (ns["shard_fsdp2"](m2), dict(m2.named_children()))}
+        for kind, (model, children) in models.items():
+            loss, dtypes = _policy_step(model, children, x, y, lambda: ns["forward_autocast"]("cpu"))
+            assert {n: dtypes[n] for n in want} == want, kind  # 'hot' stays fp32: no cast back to fp16
+            # the parameters of the model's own unit are gathered in its dtype (fp16: ~3 digits)
+            assert loss == pytest.approx(expected, rel=2e-2), kind
     finally:
+        for h in ns["HANDLES"]:
+            h.remove()
         dist.destroy_process_group()
 
 
@@ -293,3 +329,90 @@ def test_export_command_user_errors(tmp_path, capsys, policy_file):
         export_main([str(tmp_path / "bad.json"), "--to", "fsdp"])
     with pytest.raises(OptionError):
         export_policy(POLICIES["bf16"], "megatron")
+
+
+# -- the Lightning and Accelerate snippets, run for real (issue 32) ------------------------------------------
+
+def _dtypes_seen(model: torch.nn.Module, names) -> dict[str, list[torch.dtype]]:
+    seen: dict[str, list[torch.dtype]] = {n: [] for n in names}
+    for n in names:
+        model.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: seen[n].append(o.dtype))
+    return seen
+
+
+def test_lightning_snippet_trains_each_module_in_its_format(tmp_path, policy_file):
+    """bf16 default, 'head' in fp16, 'faint' in fp32: the snippet's trainer_kwargs and apply_precision_policy() in
+    configure_model() train every step with head's output fp16, faint's fp32 and hot's bf16, finite losses."""
+    L = pytest.importorskip("lightning")
+    p = POLICIES["bf16+fp16-head"]
+    ns = run_snippet(export_policy(p, "lightning", policy_path=policy_file(p)).text)
+    losses: list[float] = []
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = fp16_trouble.build_model()
+
+        def configure_model(self):
+            self.handle = ns["apply_precision_policy"](self.net)
+
+        def training_step(self, batch, i):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+            losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    module = Module()
+    seen = _dtypes_seen(module.net, ["hot", "head", "faint"])
+    x, y = fp16_trouble.sample_batch()
+    trainer = L.Trainer(**ns["trainer_kwargs"], accelerator="cpu", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+    module.handle.remove()
+    assert seen == {"hot": [torch.bfloat16] * 2, "head": [torch.float16] * 2, "faint": [torch.float32] * 2}
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+
+
+def test_accelerate_snippet_runs_each_module_in_its_format(policy_file):
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # an earlier test's Trainer leaves it set
+    p = POLICIES["bf16+fp16-head"]
+    ns = run_snippet(export_policy(p, "accelerate", policy_path=policy_file(p)).text)
+    accelerator = Accelerator(**ns["accelerator_kwargs"], cpu=True)
+    model = accelerator.prepare(fp16_trouble.build_model())
+    handle = ns["apply_precision_policy"](model)
+    try:
+        seen = _dtypes_seen(accelerator.unwrap_model(model), ["hot", "head", "faint"])
+        x, y = fp16_trouble.sample_batch()
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        accelerator.backward(loss)
+    finally:
+        handle.remove()
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert seen == {"hot": [torch.bfloat16], "head": [torch.float16], "faint": [torch.float32]}
+    assert math.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("target", ["lightning", "accelerate", "fsdp"])
+def test_snippets_load_the_policy_from_anywhere(tmp_path, monkeypatch, target):
+    """`export v100/policy.json` run in one folder wrote load_policy('v100/policy.json'): the training script, run
+    from another folder, could not find it. The path is absolute now (a policy folder stands for its file)."""
+    (tmp_path / "v100").mkdir()
+    save_policy(POLICIES["fp16+hot"], tmp_path / "v100" / "policy.json")
+    monkeypatch.chdir(tmp_path)
+    for given in ("v100/policy.json", "v100"):
+        assert export_main([given, "--to", target, "--out", f"out-{target}.py"]) == 0
+        text = (tmp_path / f"out-{target}.py").read_text()
+        assert f"load_policy({str(tmp_path / 'v100' / 'policy.json')!r})" in text
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir(exist_ok=True)
+        monkeypatch.chdir(elsewhere)
+        ns = run_snippet(text)
+        assert ns["POLICY"].default_format == "fp16"
+        monkeypatch.chdir(tmp_path)

@@ -38,14 +38,14 @@ from precision_audit.cli import main
 from precision_audit.export import export_policy
 from precision_audit.policy import LossScaling, ModuleOverride, Policy, save_policy
 
-PY_TARGETS = ("lightning", "accelerate", "fsdp", "torchao")
+PY_TARGETS = ("lightning", "accelerate", "fsdp", "torchao", "torchtitan")
 FP = "sha256:" + "0" * 64
 
 # Runs exported files with stand-ins for the libraries they import; prints one JSON line (the load_policy
 # calls) after them, so anything the exported code printed shows up before it.
 RUNNER = r'''
 import importlib.abc, importlib.machinery, json, sys, types
-ROOTS = {"torch", "torchao", "lightning", "accelerate", "precision_audit"}
+ROOTS = {"torch", "torchao", "torchtitan", "lightning", "accelerate", "precision_audit"}
 calls = []
 
 class Stub:
@@ -157,7 +157,8 @@ def check_exports(policy: Policy, policy_path: str, folder: Path) -> None:
     assert proc.stderr == "", proc.stderr
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, f"the exported code printed something:\n{proc.stdout}"
-    assert json.loads(lines[0]) == {"load_policy": [[policy_path], [policy_path]]}
+    # lightning, accelerate and fsdp load the policy for its per-module part; torchao and torchtitan do not
+    assert json.loads(lines[0]) == {"load_policy": [[policy_path]] * 3}
     assert left == [], f"running the exported code created {left}"
     ds = json.loads(export_policy(policy, "deepspeed", policy_path=policy_path).text)["precision_audit"]
     assert (ds["model"], ds["target"], ds["exported_from"]) == (policy.model_class, policy.target_name, policy_path)
@@ -192,6 +193,23 @@ def _doc(**over) -> dict:
             d[section][key] = v
         else:
             d[section] = v
+    return d
+
+
+def _layout_doc(matching: bool) -> dict:
+    """A policy whose model.layout names a module with a lone surrogate (JSON's "\\ud800"), its fingerprint the
+    layout's own (``matching``) or another's (a hand-edited file)."""
+    import hashlib
+
+    layout = {"": "Net[]", "enc\ud800": "Linear[weight:32x32,bias:32]", "head": "Linear[weight:8x32,bias:8]"}
+    h = hashlib.sha256()  # the fingerprint's definition (policy/schema.py), each line's bytes as UTF-8 would be
+    for name, entry in layout.items():
+        kind, _, rest = entry.partition("[")
+        h.update(f"{name}\t{kind}\t{rest[:-1]}\n".encode("utf-8", "surrogatepass"))
+    d = _doc()
+    d["model"]["layout"] = layout
+    d["model"]["fingerprint"] = "sha256:" + h.hexdigest() if matching else FP
+    d["fp8"] = {"modules": {"enc\ud800": {"recipe": "fp8_rowwise", "reason": "r"}}}
     return d
 
 
@@ -230,6 +248,15 @@ CASES = [
          ("integer literal too long", "5001 digits"), 2),
     Case("export-unknown-format-in-module", _doc(modules={"fc": {"format": "fp32\nimport os"}}),
          ("modules.fc.format", "unknown format", "'fp32\\nimport os'"), 2),
+    # issue 32: a layout key with a lone surrogate hashed with str.encode() and every exporter exited 3
+    # (UnicodeEncodeError); it is a policy like any other now, its name written as a literal
+    *[Case(f"export-layout-lone-surrogate-{to}", _layout_doc(True), target=to)
+      for to in ("deepspeed", "lightning", "accelerate", "fsdp", "torchao", "torchtitan")],
+    Case("export-layout-lone-surrogate-edited", _layout_doc(False), ("model.layout", "does not hash"), 2),
+    Case("export-fp8-recipe-a-list", {**_doc(), "fp8": {"modules": {"fc": {"recipe": ["fp8_rowwise"]}}}},
+         ("fp8.modules", "not a known FP8 recipe", "['fp8_rowwise']"), 2, target="torchao"),
+    Case("export-fp8-recipe-an-object", {**_doc(), "fp8": {"modules": {"fc": {"recipe": {"a": 1}}}}},
+         ("fp8.modules", "not a known FP8 recipe"), 2, target="torchtitan"),
 ]
 
 
@@ -338,3 +365,16 @@ def test_catalogue_ids_are_unique():
     """These cases count toward the bad-input catalogue (tests/cli/test_bad_inputs.py); ids must not repeat."""
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 10
+
+
+def test_load_policy_of_a_layout_with_a_lone_surrogate_is_a_policy_error(tmp_path):
+    """load_policy raised UnicodeEncodeError (hashing the layout) instead of a PolicyError naming the field."""
+    from precision_audit.errors import PolicyError
+    from precision_audit.policy.io import load_policy
+
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps(_layout_doc(False)), encoding="utf-8")
+    with pytest.raises(PolicyError, match="model.layout"):
+        load_policy(path)
+    path.write_text(json.dumps(_layout_doc(True)), encoding="utf-8")
+    assert "enc\ud800" in load_policy(path).model_layout

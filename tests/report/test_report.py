@@ -192,8 +192,10 @@ def test_measured_alignment_cost_and_memory_are_shown(sample_audits):
     align = html.split('id="alignment"')[1].split("</section>")[0]
     assert dom.tables["alignment-table"]["rows"] >= 1 and "lm_head" in align and ">264<" in align
     assert "ns" in align or "µs" in align
-    n_ops = sum(len(L["alignment"] or []) for L in audit["layers"])
-    assert dom.tables["gemm-table"]["rows"] == n_ops
+    # one row per module with GEMM-family ops of its own, aligned ones included (issue 35: GPT-2's Conv1D GEMMs,
+    # all aligned, had no row when the table listed only the ops with an alignment finding)
+    with_gemms = [L for L in audit["layers"] if (L["cost"] or {}).get("gemm_ops") or L["alignment"]]
+    assert dom.tables["gemm-table"]["rows"] == len(with_gemms) > sum(bool(L["alignment"]) for L in audit["layers"])
     assert "chart-time-svg" in dom.ids and "est. time bf16" in html
     assert dom.tables["memory-table"]["rows"] == len(audit["memory"]["per_format"])
     for advice in audit["memory"]["advice"]:

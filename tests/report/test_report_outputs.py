@@ -13,7 +13,7 @@ def _tiny_audit(steps: int = 1):
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     return precision_audit.audit(model, torch.randn(8, 16), loss_fn=lambda out, b: out.float().pow(2).mean(),
                                  progress=False,
-                                 steps=steps, formats=["bf16"])
+                                 steps=steps, formats=["bf16"], trace=True)
 
 
 def _traces(out):

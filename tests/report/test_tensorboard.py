@@ -1,4 +1,6 @@
-"""TensorBoard: per-layer error and range scalars and exponent histograms, read back with EventAccumulator."""
+"""TensorBoard (docs/report.md, "TensorBoard"), read back with EventAccumulator: the step axis is the training step
+the audit looked at, never a layer index (issue 35: 25 scalar tags used the layer's position as their step); the
+per-module figures are a histogram over the modules and a text table, the summary curves a custom layout."""
 
 from __future__ import annotations
 
@@ -26,34 +28,51 @@ def tiny_gpt_events(sample_audits, tmp_path_factory):
     return audit, logdir, _read(logdir)
 
 
+def test_every_scalar_is_at_the_training_step_not_a_layer_index(sample_audits, tmp_path):
+    _, out, _ = sample_audits.get("tiny_gpt")
+    audit = json.loads((out / "audit.json").read_text())
+    for step in (0, 700):
+        write_scalars(audit, tmp_path / str(step), step=step)
+        acc = _read(tmp_path / str(step))
+        assert acc.Tags()["scalars"]
+        for tag in acc.Tags()["scalars"]:
+            assert [e.step for e in acc.Scalars(tag)] == [step], f"{tag}: one value, at step {step}"
+        for tag in acc.Tags()["histograms"]:
+            assert [h.step for h in acc.Histograms(tag)] == [step], tag
+
+
 @pytest.mark.parametrize("fmt", ["fp16", "bf16"])
 @pytest.mark.parametrize("kind", ["local", "accumulated"])
-def test_error_scalars_per_layer_in_order(tiny_gpt_events, fmt, kind):
+def test_per_module_errors_are_a_histogram_and_their_worst_a_scalar(tiny_gpt_events, fmt, kind):
     audit, _, acc = tiny_gpt_events
-    events = acc.Scalars(f"error/{fmt}/{kind}_rel_l2")
-    expected = {i: L["error"][fmt][kind]["rel_l2"] for i, L in enumerate(audit["layers"])
-                if L["error"][fmt][kind] and L["error"][fmt][kind]["rel_l2"] is not None}
-    assert {e.step for e in events} == set(expected), "one point per layer, step = the layer's position"
-    for e in events:
-        assert e.value == pytest.approx(expected[e.step], rel=1e-6, abs=1e-30), f"layer {e.step}"
+    errs = [L["error"][fmt][kind]["rel_l2"] for L in audit["layers"]
+            if L["error"][fmt][kind] and L["error"][fmt][kind]["rel_l2"] is not None]
+    (worst,) = acc.Scalars(f"layers/{fmt}/worst_{kind}_rel_l2")
+    assert worst.value == pytest.approx(max(errs), rel=1e-6)
+    (h,) = acc.Histograms(f"error/{fmt}/{kind}_log10_rel_l2")
+    assert h.histogram_value.num == sum(e > 0 for e in errs), "one value per module with a non-zero error"
 
 
-def test_range_scalars_and_histograms(tiny_gpt_events):
+def test_summary_histograms_text_and_layout(tiny_gpt_events):
     audit, _, acc = tiny_gpt_events
     tags = acc.Tags()
-    n = len(audit["layers"])
-    for tag in ("range/activation_amax", "range/gradient_amax", "range/fp16/activation_headroom_bits",
-                "range/fp16/gradient_flushed_unscaled", "range/fp16/gradient_flushed_at_recommended",
-                "error/fp16/local_sqnr_db", "summary/fp16/loss_rel_change"):
+    for tag in ("summary/fp16/loss_rel_change", "summary/bf16/output_rel_l2", "summary/fp32/loss",
+                "layers/fp16/min_headroom_bits", "loss_scale/recommended_init_scale"):
         assert tag in tags["scalars"], f"{tag} missing; have {sorted(tags['scalars'])}"
-    assert len(acc.Scalars("range/activation_amax")) == n
-    amax = {e.step: e.value for e in acc.Scalars("range/activation_amax")}
-    assert amax[n - 1] == pytest.approx(audit["layers"][-1]["activation"]["amax"], rel=1e-6)
-    assert {"exponents/gradient", "exponents/activation"} <= set(tags["histograms"])
-    hist = {h.step: h.histogram_value for h in acc.Histograms("exponents/gradient")}
-    i, L = next((i, L) for i, L in enumerate(audit["layers"]) if L["gradient"]["output"]["exponent_histogram"])
-    assert hist[i].num == sum(L["gradient"]["output"]["exponent_histogram"].values())
+    (e,) = acc.Scalars("summary/bf16/loss_rel_change")
+    assert e.value == pytest.approx(audit["summary"]["bf16"]["loss_rel_change"], rel=1e-6)
+    (room,) = acc.Scalars("layers/fp16/min_headroom_bits")
+    assert room.value == pytest.approx(min(L["activation"]["headroom_bits"]["fp16"] for L in audit["layers"]),
+                                       rel=1e-6)
+    leaves = [L for L in audit["layers"] if L["is_leaf"]]
+    (g,) = acc.Histograms("exponents/gradient")
+    assert g.histogram_value.num == sum(sum(L["gradient"]["output"]["exponent_histogram"].values()) for L in leaves)
     assert "layers/text_summary" in tags["tensors"]
+    text = acc.Tensors("layers/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert text.count("\n") == len(audit["layers"]) + 1 and "`blocks.1.mlp.c_proj`" in text
+    from tensorboard.plugins.custom_scalar import metadata
+
+    assert metadata.CONFIG_SUMMARY_TAG in tags["tensors"], "the custom-scalars layout"
 
 
 def test_rewriting_replaces_the_previous_events(sample_audits, tmp_path):
@@ -65,7 +84,7 @@ def test_rewriting_replaces_the_previous_events(sample_audits, tmp_path):
     assert len(files) == 1, "a second audit into the same folder replaces the first's events"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "no staging folder left behind"
     acc = _read(tmp_path)
-    assert len(acc.Scalars("error/bf16/accumulated_rel_l2")) == len(audit["layers"])
+    assert len(acc.Scalars("layers/bf16/worst_accumulated_rel_l2")) == 1
 
 
 def test_non_finite_values_are_left_out(sample_audits, tmp_path):
@@ -73,7 +92,10 @@ def test_non_finite_values_are_left_out(sample_audits, tmp_path):
     audit = json.loads((out / "audit.json").read_text())
     write_scalars(audit, tmp_path)
     acc = _read(tmp_path)
-    steps = {e.step for e in acc.Scalars("error/fp16/accumulated_rel_l2")}
-    overflowed = {i for i, L in enumerate(audit["layers"]) if L["error"]["fp16"]["accumulated"]["rel_l2"] is None}
-    assert overflowed, "the sample overflows fp16 somewhere"
-    assert not (steps & overflowed) and steps
+    assert audit["summary"]["fp16"]["loss"] is None, "the premise: the sample overflows fp16"
+    assert "summary/fp16/loss" not in acc.Tags()["scalars"] and "summary/bf16/loss" in acc.Tags()["scalars"]
+    finite = [L["error"]["fp16"]["accumulated"]["rel_l2"] for L in audit["layers"]
+              if L["error"]["fp16"]["accumulated"]["rel_l2"] is not None]
+    assert len(finite) < len(audit["layers"])
+    (h,) = acc.Histograms("error/fp16/accumulated_log10_rel_l2")
+    assert h.histogram_value.num == sum(e > 0 for e in finite)

@@ -476,6 +476,26 @@ def test_monitor_detects_loss_spikes_against_the_running_median(caplog):
     assert recs[3].to_dict()["loss_spike"] is True
 
 
+def test_a_loss_with_a_reward_term_spikes_against_its_noise_not_its_median():
+    """Issue 32: a loss that can be negative (-0.05 + noise of 0.2: a reward term) has a median whose size means
+    nothing; against ``median + 2 x |median|`` a third of its ordinary steps read as spikes. Judged against its own
+    spread, none do, and a planted jump of 3.0 (15 standard deviations) does."""
+    g = torch.Generator().manual_seed(0)
+    losses = (-0.05 + 0.2 * torch.randn(300, generator=g, dtype=torch.float64)).tolist()
+    losses[200] = 3.0
+    for offset in (0.0, -3.0):  # near zero, and a negative median of some size: the rule is the same
+        mon = StabilityMonitor()
+        recs = [mon.observe(step=i + 1, loss=v + offset, scale=None, skipped=False, grad_norm=1.0)
+                for i, v in enumerate(losses)]
+        assert [r.step for r in recs if r.loss_spike] == [201], offset
+    # an ordinary positive loss keeps the multiplicative rule: 3x its median (0.1% noise)
+    mon = StabilityMonitor()
+    steady = [2.0 * (1 + 1e-3 * v) for v in torch.randn(60, generator=g, dtype=torch.float64).tolist()]
+    recs = [mon.observe(step=i + 1, loss=v, scale=None, skipped=False, grad_norm=1.0)
+            for i, v in enumerate(steady + [5.9, 6.1])]
+    assert [r.loss_spike for r in recs[-2:]] == [False, True]
+
+
 def test_monitor_history_is_bounded_but_counts_are_not():
     mon = StabilityMonitor(history_limit=3)
     for i in range(10):

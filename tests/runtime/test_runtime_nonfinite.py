@@ -232,6 +232,48 @@ def test_a_norm_that_overflows_from_finite_gradients_is_not_skipped():
     ctl.close()
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0], ids=["unclipped", "clipped"])
+def test_clipping_blames_and_promotes_only_the_module_whose_gradient_is_non_finite(max_grad_norm):
+    """Issue 31 defect 4: a NaN only in c.weight's gradient gives a NaN total norm; clipping with it before the scan
+    multiplied every gradient by NaN, so a, b and c were reported and, in adaptive mode, all three promoted."""
+    torch.manual_seed(0)
+    model = Chain()
+    model.c.weight.register_hook(lambda g: g * float("nan"))  # c's output gradient stays finite
+    policy = _chain_policy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctl = pa.controller(model, opt, policy, device="cpu", max_grad_norm=max_grad_norm, adaptive=True)
+    before = copy.deepcopy(model.state_dict())
+    for _ in range(3):  # promote_after=3
+        with pa.autocast(policy, "cpu"):
+            rec = ctl.step(model(torch.randn(4, 8)).float().pow(2).mean())
+        assert rec.skipped and rec.nonfinite_modules == ("c",), rec.nonfinite_modules
+        assert rec.sources == ("c",), rec.sources
+    assert rec.promoted == ("c",) and set(ctl.policy.modules) == {"c"}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    ctl.close()
+
+
+def test_clipping_applies_to_the_steps_that_update():
+    """The clip (after the check now) still scales a clean step's gradients as clip_grad_norm_ does."""
+    torch.manual_seed(0)
+    a, b = Chain(), Chain()
+    b.load_state_dict(a.state_dict())
+    policy = _chain_policy(a, "fp32")
+    ctl = pa.controller(a, torch.optim.SGD(a.parameters(), lr=0.1), policy, device="cpu", max_grad_norm=0.05)
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        rec = ctl.step(a(x).pow(2).mean())
+        b(x).pow(2).mean().backward()
+        total = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        assert not rec.skipped and rec.grad_norm == pytest.approx(float(total), rel=1e-6)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+    ctl.close()
+
+
 # --- two ranks (gloo): the skip and the source are agreed without a GradScaler ------------------------------
 
 DDP_STEPS = 4
@@ -294,7 +336,8 @@ def test_two_ranks_skip_together_and_name_the_same_source_without_a_scaler(tmp_p
         assert [row[0] for row in r["rows"]] == [s == DDP_BAD_STEP for s in range(1, DDP_STEPS + 1)]
         assert r["rows"][DDP_BAD_STEP - 1][1] == ("b",), r["rows"]
         assert r["skipped"] == 1
-    assert r0["rows"][DDP_BAD_STEP - 1][2] == () and "b" in r1["rows"][DDP_BAD_STEP - 1][2]
+    # the non-finite modules are agreed across ranks (rank 0's own gradients were finite): both name the same
+    assert r0["rows"][DDP_BAD_STEP - 1][2] == r1["rows"][DDP_BAD_STEP - 1][2] and "b" in r1["rows"][DDP_BAD_STEP - 1][2]
     for k in r0["params"]:
         assert torch.equal(r0["params"][k], r1["params"][k]), k
         assert torch.isfinite(r0["params"][k]).all()
