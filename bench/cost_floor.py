@@ -1,7 +1,8 @@
-"""The floor under P1 (issue 14): the bare passes an emulated audit's figures need, with no statistics, hooks or
-bookkeeping, in units of one FP32 training step, beside the time the model file itself takes to load.
+"""The floor under P1 (issues 14 and 33): the bare passes an emulated audit's figures need, with no statistics, hooks
+or bookkeeping, in units of one FP32 training step, beside the time the model file itself takes to load.
 
     python bench/cost_floor.py /tmp/rmb/llama/model.py --batch /tmp/rmb/llama/sample.pt [--repeats 3]
+    python bench/cost_floor.py MODEL.py --batch SAMPLE.pt --audit OUT/audit.json   # the passes that audit ran
 
 The model and batch files are those of bench/real_models.py (``real_models.prepare(name, folder)`` writes them;
 bench/README.md shows the command). What the default audit (fp16 and bf16, emulated, on a CPU with T threads)
@@ -12,15 +13,20 @@ measures, and the least compute each figure takes (docs/plan.md, docs/performanc
 - each computing module re-run alone per format on its FP32 inputs: at least one emulated forward per format
   (counted as one no-grad emulated forward of the whole model, a lower bound: a module that computes beside its
   children is re-run with them);
-- the second reduction order (the noise floor and the planner's impacts at both orders, issue 12): the FP32
-  forward and backward at the second thread count T' (the audit's backward there computes the module outputs'
-  gradients only: counted as a full one, an upper bound on that part alone), the re-runs per format at T', and one
-  forward per format at T'.
+- the FP32 noise floor: one no-grad FP32 forward at the second thread count T' (always);
+- the second reduction order where a decision needs it (docs/plan.md, "Noise floor"): one no-grad emulated forward
+  at T' per format re-checked; and where the planner needs its impacts there, the FP32 forward and backward at T'
+  (the audit's backward there computes the module outputs' gradients only: counted as a full one, an upper bound on
+  that part alone) and the re-runs per format at T';
+- the mixed plan's verification: one emulated forward of the plan's default format per verification pass at T, and
+  one at T' per pass re-checked there.
 
-Every part is timed on its own (median of ``--repeats`` after a warm-up) in one process, with the emulation's
-compiled kernels when they are built (else the Python ones: the script says which). Loading is the import of the
-model file and ``build_model()``, timed in a fresh subprocess (an audit pays it; bench/real_models.py's P1 counts
-it, its FP32 step does not). Not a test.
+Without ``--audit`` every part of the second order is counted (the audit before issue 33 ran them all) and no
+verification; with it, the parts that audit.json says ran (``noise_floor.second_order``, ``planner_impacts``,
+``rechecks``, the mixed candidate's ``verification_passes``). Every part is timed on its own (median of
+``--repeats`` after a warm-up) in one process, with the emulation's compiled kernels when they are built (else the
+Python ones: the script says which). Loading is the import of the model file, ``build_model()`` and ``torch.load`` of
+the batch, timed in a fresh subprocess (an audit pays it; bench/real_models.py's P1 leaves it out). Not a test.
 """
 
 from __future__ import annotations
@@ -48,7 +54,9 @@ spec = importlib.util.spec_from_file_location("floor_model", sys.argv[1])
 mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 t1 = time.perf_counter()
 mod.build_model()
-print(t1 - t, time.perf_counter() - t1)
+t2 = time.perf_counter()
+torch.load(sys.argv[2])
+print(t1 - t, t2 - t1, time.perf_counter() - t2)
 '''
 
 
@@ -62,6 +70,23 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def needed(audit: dict | None) -> dict:
+    """What the second reduction order and the verification cost that audit (all of the second order, no
+    verification, without one): formats re-checked at T', whether the planner's impacts ran there, the plan's
+    verification passes at T and at T'."""
+    if audit is None:
+        return {"rechecked": None, "impacts": True, "verify": 0, "verify_second": 0, "default": None}
+    nf = audit.get("noise_floor") or {}
+    mixed = next((c for c in audit["plan"]["candidates"] if c["label"] == "mixed"), None)
+    verify = mixed["verification_passes"] if mixed else 0
+    second = sum(1 for r in nf.get("rechecks") or [] if r["decision"].startswith("the mixed plan's verification")
+                 and r["rechecked"])
+    return {"rechecked": sorted(nf.get("second_order") or {}),
+            "impacts": (nf.get("planner_impacts") or "").startswith("each module's"),
+            "verify": verify, "verify_second": second if nf.get("rechecks") is not None else verify,
+            "default": mixed["default_format"] if mixed else None}
+
+
 def main() -> None:
     import torch
 
@@ -72,10 +97,13 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--batch", required=True)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--audit", default=None, help="audit.json of the audit whose passes to count (see above)")
     args = ap.parse_args()
+    need = needed(json.loads(Path(args.audit).read_text()) if args.audit else None)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-c", LOAD, args.model], capture_output=True, text=True, env=env, check=True)
-    import_s, build_s = map(float, p.stdout.split()[-2:])
+    p = subprocess.run([sys.executable, "-c", LOAD, args.model, args.batch], capture_output=True, text=True, env=env,
+                       check=True)
+    import_s, build_s, batch_s = map(float, p.stdout.split()[-3:])
 
     spec = importlib.util.spec_from_file_location("floor_model", args.model)
     assert spec is not None and spec.loader is not None
@@ -85,7 +113,7 @@ def main() -> None:
     batch = torch.load(args.batch)
     threads = torch.get_num_threads()
     second = 1 if threads > 1 else 2
-    dtypes = (torch.float16, torch.bfloat16)
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
     def loss(out):
         return out.loss if hasattr(out, "loss") else out[0] if isinstance(out, tuple) else out
@@ -108,33 +136,47 @@ def main() -> None:
         finally:
             torch.set_num_threads(old)
 
+    def emulated(name: str):
+        return lambda: forward(lambda: emulated_autocast(dtypes[name]))
+
     kernels = compiled.resolve("auto")
     parts: dict[str, float] = {}
+    rechecked = list(dtypes) if need["rechecked"] is None or need["impacts"] else need["rechecked"]
     with CudaAutocastPolicy(kernels):
         parts["FP32 step"] = at(threads, step)
-        for d in dtypes:
-            name = str(d).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
+        for name, d in dtypes.items():
             parts[f"{name} step"] = at(threads, lambda d=d: step(lambda: emulated_autocast(d)))
-            parts[f"{name} re-runs (>= 1 forward)"] = at(threads, lambda d=d: forward(lambda: emulated_autocast(d)))
-        parts[f"FP32 step at {second} thread(s)"] = at(second, step)
-        for d in dtypes:
-            name = str(d).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
-            fwd = at(second, lambda d=d: forward(lambda: emulated_autocast(d)))
-            parts[f"{name} re-runs at {second} thread(s)"] = fwd
-            parts[f"{name} forward at {second} thread(s)"] = fwd
+            parts[f"{name} re-runs (>= 1 forward)"] = at(threads, emulated(name))
+        if need["impacts"]:  # the noise floor's FP32 forward is the repeat's own then (docs/performance.md)
+            parts[f"FP32 step at {second} thread(s)"] = at(second, step)
+        else:
+            parts[f"FP32 forward at {second} thread(s) (noise floor)"] = at(second, forward)
+        for name in dtypes:
+            fwd = at(second, emulated(name)) if need["impacts"] or name in rechecked else 0.0
+            if need["impacts"]:
+                parts[f"{name} re-runs at {second} thread(s)"] = fwd
+            if name in rechecked:
+                parts[f"{name} forward at {second} thread(s)"] = fwd
+        if need["verify"]:
+            parts[f"{need['verify']} verification forward(s) ({need['default']})"] = \
+                need["verify"] * at(threads, emulated(need["default"]))
+        if need["verify_second"]:
+            parts[f"{need['verify_second']} verification forward(s) at {second} thread(s)"] = \
+                need["verify_second"] * at(second, emulated(need["default"]))
     unit = parts["FP32 step"]
     floor = sum(parts.values())
-    print(f"{Path(args.model).parent.name}: {threads} threads, second order at {second}; kernels: {kernels}")
+    print(f"{Path(args.model).parent.name}: {threads} threads, second order at {second}; kernels: {kernels}; "
+          f"counted: {'every part of the second order' if args.audit is None else need}")
     for k, v in parts.items():
-        print(f"  {k:36s} {v:7.3f} s  {v / unit:5.2f} steps")
-    load = import_s + build_s
-    print(f"  {'floor after loading':36s} {floor:7.3f} s  {floor / unit:5.2f} steps")
-    print(f"  {'loading (import + build_model)':36s} {load:7.3f} s  {load / unit:5.2f} steps "
-          f"(import {import_s:.2f} s, build {build_s:.2f} s)")
-    print(f"  {'floor with loading':36s} {floor + load:7.3f} s  {(floor + load) / unit:5.2f} steps")
+        print(f"  {k:44s} {v:7.3f} s  {v / unit:5.2f} steps")
+    load = import_s + build_s + batch_s
+    print(f"  {'floor after loading':44s} {floor:7.3f} s  {floor / unit:5.2f} steps")
+    print(f"  {'loading (import + build_model + torch.load)':44s} {load:7.3f} s  {load / unit:5.2f} steps "
+          f"(import {import_s:.2f} s, build {build_s:.2f} s, batch {batch_s:.3f} s)")
+    print(f"  {'floor with loading':44s} {floor + load:7.3f} s  {(floor + load) / unit:5.2f} steps")
     print(json.dumps({"model": Path(args.model).parent.name, "threads": threads, "kernels": kernels,
-                      "parts_s": parts, "step_s": unit, "floor_steps": floor / unit, "load_s": load,
-                      "floor_with_loading_steps": (floor + load) / unit}))
+                      "needed": need, "parts_s": parts, "step_s": unit, "floor_s": floor,
+                      "floor_steps": floor / unit, "load_s": load, "floor_with_loading_steps": (floor + load) / unit}))
 
 
 if __name__ == "__main__":

@@ -20,17 +20,27 @@ Per model, in fresh subprocesses (one for the training steps, one for the audit)
 
 - FP32 step: the median of 7 timed forward+backward steps (10 on a GPU), after two warm-up steps;
 - audit: the wall time of ``run_audit`` with default options (emulated mode on a CPU, both formats, the report
-  written), loading the model and the batch from the files as a user's ``precision-audit audit`` would;
-- P1 = audit / FP32 step (goal: at most 8x for the median model, at most 12x for every model);
-- loading: the audit's first stage, importing the user's model file (transformers' lazy import of the model
-  class) and building the model with random weights, which a training run pays for too and the FP32 step is
-  timed after; "P1 after" = (audit - loading) / FP32 step, the audit's own cost;
+  written), loading the model and the batch from the files as a user's ``precision-audit audit`` would (after
+  the process has started and imported torch, transformers and precision_audit: start-up is not counted);
+- loading: the audit's ``load_subject`` (importing the user's model file, transformers' lazy import of the model
+  class, ``build_model()`` with its random weights, ``torch.load`` of the batch), timed inside that audit, which a
+  training run pays for too and the FP32 step is timed after;
+- **P1 = (audit - loading) / FP32 step** (issue 33: goal at most 7x for the median model, at most 12x for every
+  model); "P1 with loading" = audit / FP32 step, as issue 14 counted it;
+- loading ratio: ``load_subject`` alone against a plain ``import`` + ``build_model()`` + ``torch.load`` of the same
+  files, each in fresh processes (``--load-repeats`` of each, alternating; medians), goal at most 1.1x: the audit
+  adds nothing to loading that a user would notice;
+- the second order: what the audit re-measured at the second reduction order (docs/plan.md, "Noise floor"): the
+  formats re-checked, "impacts" when the reference pass was repeated for the planner, and the plan's
+  verification passes (at the second order / in all);
 - peak RSS above the post-import baseline (torch, transformers and precision_audit imported; the model itself
   is built afterwards, so it is part of both figures), for one training step (VmHWM after the warm-up step) and
   for the audit (Linux: VmHWM reset through /proc/self/clear_refs);
 - P5 = audit peak / training-step peak (goal: at most 1.5x).
 
-``--profile DIR`` also writes a cProfile of each audit (``DIR/<model>.prof``; read it with ``python -m pstats``).
+``--floor`` also runs bench/cost_floor.py on each model with that audit's audit.json (the bare passes that audit
+needed) and prints the audit after loading against it (goal: within 1.5x). ``--profile DIR`` also writes a
+cProfile of each audit (``DIR/<model>.prof``; read it with ``python -m pstats``).
 Not a test: the whole set takes many minutes on a 2-core machine.
 """
 
@@ -137,7 +147,28 @@ if what == "step":
         sync(); t0 = time.perf_counter(); step(); sync(); times.append(time.perf_counter() - t0)
     result["step_s"] = statistics.median(times)
     result["step_times"] = times
+elif what in ("load-audit", "load-plain"):
+    t0 = time.perf_counter()
+    if what == "load-audit":
+        from precision_audit.audit import load_subject
+        load_subject(AuditOptions(model=model_py, batch=sample, out=out))
+    else:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("bench_model", model_py)
+        mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+        mod.build_model()
+        torch.load(sample)
+    result["load_s"] = time.perf_counter() - t0
 else:
+    import precision_audit.audit as pa_audit
+    _load_subject, loads = pa_audit.load_subject, []
+    def timed_load(*a, **k):
+        t = time.perf_counter()
+        try:
+            return _load_subject(*a, **k)
+        finally:
+            loads.append(time.perf_counter() - t)
+    pa_audit.load_subject = timed_load
     extra = json.loads(sys.argv[6])
     opts = AuditOptions(model=model_py, batch=sample, out=out, device=device, **extra)
     marks = []
@@ -154,7 +185,8 @@ else:
     result["audit_s"] = t1 - t0
     ends = [t for t, _ in marks[1:]] + [t1]
     result["stages"] = [[m, e - t] for (t, m), e in zip(marks, ends)]
-    result["load_s"] = sum(d for m, d in result["stages"] if m.startswith("loading the model"))
+    result["load_s"] = sum(loads)
+    result["load_stage_s"] = sum(d for m, d in result["stages"] if m.startswith("loading the model"))
     result["peak_bytes"] = peak()
     result["exit_code"] = r.exit_code
     a = json.load(open(os.path.join(out, "audit.json")))
@@ -162,7 +194,14 @@ else:
     result["mode"] = a.get("mode")
     result["measured_step_s"] = {f: ((s or {}).get("step_time") or {}).get("measured_s")
                                  for f, s in (a.get("summary") or {}).items()}
-    result["stage_s"] = {k: v for k, v in a.get("timing", {}).items()} if isinstance(a.get("timing"), dict) else None
+    nf = a.get("noise_floor") or {}
+    mixed = next((c for c in a["plan"]["candidates"] if c["label"] == "mixed"), None)
+    result["second_order"] = {
+        "rechecked": sorted(nf.get("second_order") or {}),
+        "impacts": (nf.get("planner_impacts") or "").startswith("each module's"),
+        "verify": mixed["verification_passes"] if mixed else 0,
+        "verify_second": sum(1 for r in nf.get("rechecks") or []
+                             if r["decision"].startswith("the mixed plan's verification") and r["rechecked"])}
 print(json.dumps(result))
 '''
 
@@ -219,6 +258,33 @@ def _load() -> str:
         return "?"
 
 
+def _second(so: dict) -> str:
+    """What the audit measured at the second order, in a few characters: "bf16", "fp16,bf16+impacts", "-"."""
+    text = ",".join(so["rechecked"]) + ("+impacts" if so["impacts"] else "")
+    if so["verify"]:
+        text += f" verify {so['verify_second']}/{so['verify']}"
+    return text or "-"
+
+
+def _loading_ratio(model_py: Path, sample: Path, out: Path, repeats: int) -> tuple[float, float]:
+    """Medians of the audit's ``load_subject`` and of a plain import + build + torch.load, fresh processes,
+    alternating."""
+    audit, plain = [], []
+    for _ in range(repeats):
+        audit.append(child("load-audit", model_py, sample, out)["load_s"])
+        plain.append(child("load-plain", model_py, sample, out)["load_s"])
+    return statistics.median(audit), statistics.median(plain)
+
+
+def _floor(model_py: Path, sample: Path, audit_json: Path) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "cost_floor.py"), str(model_py), "--batch", str(sample),
+                        "--audit", str(audit_json)], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"cost_floor failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
@@ -230,6 +296,10 @@ def main() -> None:
                          "figures are the GPU's max_memory_allocated instead of the process's RSS)")
     ap.add_argument("--batch", type=int, default=None,
                     help="the batch's first dimension for every model (default: each model's own, above)")
+    ap.add_argument("--load-repeats", type=int, default=3,
+                    help="fresh processes per arm for the loading ratio (0: not measured)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run bench/cost_floor.py on the passes each audit needed, and compare")
     args = ap.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -240,8 +310,9 @@ def main() -> None:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cpus, load average {_load()} at start; device {args.device}; batch "
           f"{args.batch or 'per model'}; audit options: defaults{extra or ''}", flush=True)
-    print(f"{'model':<10} {'FP32 step':>10} {'audit':>9} {'P1':>7} {'loading':>8} {'P1 after':>9} {'step peak':>10} "
-          f"{'audit peak':>11} {'P5':>6} {'kernels':>9} {'load':>14}", flush=True)
+    print(f"{'model':<9} {'FP32 step':>9} {'audit':>7} {'loading':>7} {'P1':>6} {'with load':>9} {'load ratio':>10} "
+          f"{'floor':>6} {'vs floor':>8} {'step peak':>9} {'audit peak':>10} {'P5':>6} {'second order':>22} "
+          f"{'load':>14}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
@@ -249,25 +320,39 @@ def main() -> None:
             step = child("step", model_py, sample, Path(tmp) / name / "o", device=args.device)
             prof = str(Path(args.profile) / f"{name}.prof") if args.profile else ""
             audit = child("audit", model_py, sample, Path(tmp) / name / "out", prof, extra, args.device)
-            p1 = audit["audit_s"] / step["step_s"]
-            # the audit after the user's model file is imported and its model built (a training run pays for
-            # that too; the FP32 step is timed after it)
-            p1_after = (audit["audit_s"] - audit["load_s"]) / step["step_s"]
+            p1 = (audit["audit_s"] - audit["load_s"]) / step["step_s"]  # issue 33: after loading
+            p1_with = audit["audit_s"] / step["step_s"]
             p5 = audit["peak_bytes"] / max(step["peak_bytes"], 1)
+            ratio = None
+            if args.load_repeats:
+                la, lp = _loading_ratio(model_py, sample, Path(tmp) / name / "o", args.load_repeats)
+                ratio = la / lp
+            floor = _floor(model_py, sample, Path(tmp) / name / "out" / "audit.json") if args.floor else None
+            vs_floor = (audit["audit_s"] - audit["load_s"]) / floor["floor_s"] if floor else None
             row = {"model": name, "step_s": step["step_s"], "step_times": step["step_times"],
-                   "audit_s": audit["audit_s"], "p1": p1, "load_s": audit["load_s"], "p1_after_loading": p1_after,
+                   "audit_s": audit["audit_s"], "load_s": audit["load_s"], "load_stage_s": audit["load_stage_s"],
+                   "p1": p1, "p1_with_loading": p1_with, "load_ratio": ratio,
+                   "load_audit_s": la if ratio else None, "load_plain_s": lp if ratio else None,
+                   "floor": floor, "vs_floor": vs_floor, "second_order": audit["second_order"],
                    "stages": audit["stages"], "step_peak_mb": step["peak_bytes"] / 2 ** 20,
                    "audit_peak_mb": audit["peak_bytes"] / 2 ** 20, "p5": p5, "kernels": audit["kernels"],
                    "exit_code": audit["exit_code"], "load": _load(), "threads": audit["threads"],
                    "device": audit["device"], "mode": audit["mode"], "measured_step_s": audit["measured_step_s"]}
             rows.append(row)
-            print(f"{name:<10} {step['step_s']:>9.2f}s {audit['audit_s']:>8.1f}s {p1:>6.1f}x "
-                  f"{audit['load_s']:>7.1f}s {p1_after:>8.1f}x {row['step_peak_mb']:>8.0f}MB "
-                  f"{row['audit_peak_mb']:>9.0f}MB {p5:>5.2f}x {str(row['kernels']):>9} {row['load']:>14}", flush=True)
+            ratio_t = f"{ratio:.2f}x" if ratio else "-"
+            floor_t = f"{floor['floor_steps']:.1f}x" if floor else "-"
+            vs_t = f"{vs_floor:.2f}x" if vs_floor else "-"
+            print(f"{name:<9} {step['step_s']:>8.2f}s {audit['audit_s']:>6.1f}s {audit['load_s']:>6.1f}s {p1:>5.1f}x "
+                  f"{p1_with:>8.1f}x {ratio_t:>10} {floor_t:>6} {vs_t:>8} {row['step_peak_mb']:>7.0f}MB "
+                  f"{row['audit_peak_mb']:>8.0f}MB {p5:>5.2f}x {_second(audit['second_order']):>22} "
+                  f"{row['load']:>14}", flush=True)
     if len(rows) > 1:
-        print(f"median P1 {statistics.median(r['p1'] for r in rows):.1f}x, max P1 {max(r['p1'] for r in rows):.1f}x "
-              f"(after loading: median {statistics.median(r['p1_after_loading'] for r in rows):.1f}x, max "
-              f"{max(r['p1_after_loading'] for r in rows):.1f}x); max P5 {max(r['p5'] for r in rows):.2f}x")
+        print(f"P1 (after loading): median {statistics.median(r['p1'] for r in rows):.1f}x, max "
+              f"{max(r['p1'] for r in rows):.1f}x (with loading: median "
+              f"{statistics.median(r['p1_with_loading'] for r in rows):.1f}x, max "
+              f"{max(r['p1_with_loading'] for r in rows):.1f}x); max P5 {max(r['p5'] for r in rows):.2f}x"
+              + (f"; max loading ratio {max(r['load_ratio'] for r in rows):.2f}x" if args.load_repeats else "")
+              + (f"; max audit / floor {max(r['vs_floor'] for r in rows):.2f}x" if args.floor else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

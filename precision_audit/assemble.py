@@ -160,6 +160,7 @@ def plan_report(chosen: ChosenPlan, analysis: Analysis) -> R.PlanReport:
     verified = best.loss_rel_change
     floor = analysis.noise.loss_rel if analysis.noise is not None and math.isfinite(analysis.noise.loss_rel) else 0.0
     uniform = best.label.startswith("uniform")
+    both = analysis.noise is not None and plan.default_format in analysis.noise.runs  # measured at both orders
     return R.PlanReport(
         source=plan.source, chosen=best.label,
         candidates=[_candidate(c, c is best) for c in chosen.candidates],
@@ -175,9 +176,10 @@ def plan_report(chosen: ChosenPlan, analysis: Analysis) -> R.PlanReport:
             loss_rel_change_range=list(best.loss_rel_change_range) if best.loss_rel_change_range else None,
             output_rel_error=best.output_rel_error, within_budget=best.within_budget, repairs=list(best.repairs),
             error=best.error,
-            source=(f"the audit's own all-{plan.default_format} pass{'es' if analysis.noise else ''} (no extra "
+            source=(f"the audit's own all-{plan.default_format} pass{'es' if both else ''} (no extra "
                     "pass: this plan is that format, uniform)" if uniform else
-                    "forward passes with the policy applied, one per reduction order")),
+                    "forward passes with the policy applied, at the audit's reduction order and, where its figures "
+                    "lie near the budget, at the second (noise_floor.rechecks)")),
         default_format=plan.default_format.value, default_reason=plan.default_reason,
         overrides={k: R.ModulePlan(format=v.format.value, reason=v.reason) for k, v in plan.overrides.items()},
         override_counts=plan_counts(plan) or "none")

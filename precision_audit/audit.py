@@ -32,7 +32,7 @@ import torch
 from . import _AuditModule, assemble
 from . import record as R
 from .analysis.alignment import rank_alignment, tied_modules
-from .analysis.findings import Analysis, analyse
+from .analysis.findings import Analysis
 from .analysis.gemm_timing import measure_gemms_on_gpu
 from .analysis.loss_scale import recommend_fp16_loss_scale
 from .analysis.performance import Performance, performance
@@ -60,8 +60,8 @@ from .model_names import fingerprint, named_modules, unwrap_model
 from .options import AuditOptions, _short_repr, resolve_steps
 from .outputs import Staging, check_out_dir
 from .planning.build_policy import build_policy
-from .planning.rules import Plan, plan_mixed_precision
-from .planning.verified import ChosenPlan, choose_verified_plan, plan_verifier
+from .planning.rules import Plan
+from .planning.verified import ChosenPlan, plan_and_verify
 from .policy.schema import Policy
 from .record import AuditRecord
 from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
@@ -188,8 +188,9 @@ class SubjectRun:
                 self._pristine[i] = (t, kept, t._version)
 
     def loss_of(self, out: Any) -> torch.Tensor:
-        if self.spec is None:
-            self.spec = resolve_loss(self.source, out, self.batch)
+        if self.spec is None:  # its trial call (a loss_fn's) builds no graph: the pass would count and hold it
+            with torch.no_grad():
+                self.spec = resolve_loss(self.source, out, self.batch)
         return self.spec(out, self.batch)
 
     def loss_facts(self) -> R.LossFacts | None:
@@ -395,18 +396,13 @@ def _compute(opts: AuditOptions, setup: RunSetup, subject: Subject, say: Progres
     with (session_factory or CaptureSession)(model, run.forward, run.loss_of, config, progress=say) as session:
         capture, noise = _capture(session, setup, run, say, opts.trace)
         say("analysing")
-        analysis = analyse(capture, opts.budget, noise)
         perf = _performance(capture, setup, model, say)
-        mixed, planner_result = plan_mixed_precision(analysis, capture, perf, setup.formats, setup.target.name,
-                                                     model)
         fp, n_modules = fingerprint(model)
-
-        def make_policy(plan: Plan) -> Policy:
-            return _policy(model, fp, n_modules, setup.target, plan, analysis)
-
-        chosen = choose_verified_plan(analysis, perf, setup.formats, mixed, planner_result,
-                                      plan_verifier(session, noise, analysis.reference_loss), make_policy, say)
-        policy = make_policy(chosen.plan)
+        analysis, chosen = plan_and_verify(
+            session, capture, noise, perf, setup.formats, setup.target.name, opts.budget, model, say,
+            lambda plan, a: _policy(model, fp, n_modules, setup.target, plan, a))
+        policy = _policy(model, fp, n_modules, setup.target, chosen.plan, analysis)
+        capture = session.result()  # with what the passes at the second order added (their warnings)
         if noise is not None:  # its outputs are kept in the session's store, which closes with the session
             noise.outputs = None
     record = _record(opts, setup, subject, run, capture, noise, analysis, perf, chosen, fp, n_modules)
@@ -449,8 +445,8 @@ def _capture(session: CaptureSession, setup: RunSetup, run: SubjectRun, say: Pro
     run.check_one_structure()
     noise = None
     if formats:
-        say("FP32 noise floor: the reference and each format re-run forward at a second reduction order")
-        noise = measure_noise_floor(session, formats)
+        say("FP32 noise floor: the reference re-run forward at a second reduction order")
+        noise = measure_noise_floor(session, formats, full=False)
     if setup.steps:
         say(f"timing {setup.steps} step(s) per format on {setup.device} (after one warm-up step)"
             + (", then profiling them for the traces" if trace else ""))

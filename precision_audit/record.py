@@ -256,6 +256,22 @@ class LossScale(Section):
 
 
 @dataclass
+class RecheckFigure(Section):
+    value: float | None  # at the audit's own reduction order
+    threshold: float
+
+
+@dataclass
+class Recheck(Section):
+    """One decision weighed for the second reduction order (docs/plan.md, "Noise floor")."""
+
+    decision: str
+    rechecked: bool
+    reason: str
+    figures: dict[str, RecheckFigure]
+
+
+@dataclass
 class NoiseFloor(Section):
     method: str
     threads: list[int] | None
@@ -266,6 +282,10 @@ class NoiseFloor(Section):
     rule: str
     planner_impacts: str | None
     planner_impacts_wall_s: float | None
+    # the second order only where it can change a decision (issue 33; planning/second_order.py): the margin, and
+    # every decision weighed for it (absent in files written before)
+    margins: dict[str, float] | None = None
+    rechecks: list[Recheck] | None = None
 
     def over_budget(self, budget: dict[str, float]) -> list[str]:
         """FP32's own change between the two reduction orders where it exceeds the error budget (``budget``:

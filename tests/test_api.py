@@ -36,8 +36,9 @@ RUN_FIELDS = {
     ("options", "out"): "each run's own folder",
     ("model", "source"): "'build_model in model.py' vs 'MLP object passed to audit()'",
     ("batch", "source"): "the BATCH path vs 'audit(batch=...)'",
-    ("noise_floor", "planner_impacts_wall_s"): "the wall time of the second-order reference pass",
 }
+# (noise_floor.planner_impacts_wall_s, the wall time of the second-order reference pass, is null here: the MLP's
+# decisions need no second order but the FP32 noise floor; docs/plan.md, "Noise floor")
 
 
 def _drop(audit: dict, paths) -> dict:

@@ -71,6 +71,10 @@ class NoiseFloor:
     impacts: dict[str, dict[Format, float | None]] | None = field(default=None, repr=False)
     impacts_note: str | None = None
     impacts_wall_s: float | None = None
+    # the decisions whose figures were weighed for a re-check at the second order, each with why it was or was not
+    # re-checked (planning/second_order.py fills it: ``Recheck.to_dict``); the margin it used
+    rechecks: list[dict[str, Any]] = field(default_factory=list)
+    margins: dict[str, float] | None = None
 
     def rel_change(self, loss: float | None) -> float | None:
         """A loss measured at the second order, against the FP32 loss of that order."""
@@ -94,14 +98,24 @@ class NoiseFloor:
             "second_order": {f.value: {"loss": r.loss, "loss_rel_change": self.loss_rel_change(f),
                                        "output_rel_error": r.output_rel_error, "error": r.error}
                              for f, r in self.runs.items()},
-            "rule": "a format is within budget only when both reduction orders measure it within budget; "
-                    "the plan's verification is held to the same rule",
+            "rule": RULE if self.margins is None else RULE_MARGIN,
             # The text is the same in every run of the same audit; the pass's wall time is a field of its own.
             "planner_impacts": ("each module's first-order loss impact measured at both orders (the reference pass "
                                 "repeated at the second); the planner takes the larger"
                                 if self.impacts is not None else self.impacts_note),
             "planner_impacts_wall_s": self.impacts_wall_s if self.impacts is not None else None,
+            "margins": dict(self.margins) if self.margins is not None else None,
+            "rechecks": [dict(r) for r in self.rechecks],
         }
+
+
+RULE = ("a format is within budget only when both reduction orders measure it within budget; the plan's "
+        "verification is held to the same rule")
+RULE_MARGIN = ("a decision rests on the upper end of what the two reduction orders measure; a figure is re-measured "
+               "at the second order only where that can change the decision: within its margin below its threshold "
+               "(above it, the decision is already 'over budget' whatever the other order gives; further below, the "
+               "other order cannot carry it over; a loss change is also judged by its first-order sum: "
+               "docs/plan.md, \"Noise floor\")")
 
 
 def second_threads(main: int) -> int:
@@ -132,11 +146,14 @@ def _sample(session) -> list[torch.nn.Module]:
     return [by_name[n] for n in names if n in by_name]
 
 
-def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
-    """Re-run the FP32 reference and each format forward-only at the second reduction order (see module doc).
+def measure_noise_floor(session, formats: tuple[Format, ...], full: bool = True) -> NoiseFloor:
+    """The FP32 reference at the second reduction order (the noise floor) and, with ``full``, everything else there:
+    each format's forward and the planner's impacts (:func:`complete`; see the module doc).
 
     ``session`` is a :class:`~precision_audit.capture.CaptureSession` whose reference and format passes
-    have run (its FP32 outputs are what the sample of layers is compared against).
+    have run (its FP32 outputs are what the sample of layers is compared against). Without ``full`` only the FP32
+    forward runs (one no-grad forward); the audit then re-measures at that order only the formats and the planner
+    inputs a decision needs (:func:`recheck_formats`, :func:`complete`; docs/plan.md, "Noise floor").
     """
     cuda = session.config.mode == "cuda"
     main = torch.get_num_threads()
@@ -145,43 +162,81 @@ def measure_noise_floor(session, formats: tuple[Format, ...]) -> NoiseFloor:
               "count does not change a kernel's reduction order: this measures run-to-run nondeterminism only)"
               if cuda else f"the FP32 reference and each format re-run forward with {alt} CPU thread(s) instead of "
                            f"{main}: the GEMMs and convolutions split their sums differently")
-    impacts: dict[str, dict[Format, float | None]] | None = None
-    note: str | None = "not measured: on CUDA the thread count does not change the reduction order"
-    wall = None
+    noise = NoiseFloor(method=method, threads=None if alt is None else (main, alt), reference_loss=None,
+                       loss_rel=math.nan, output_rel_error=math.nan,
+                       impacts_note="not measured: on CUDA the thread count does not change the reduction order"
+                       if cuda else NOT_NEEDED)
     fp32 = _Fp32Order(session)
-    if alt is not None:
+    if full and alt is not None:
         # First: its forward is the FP32 forward at this order, and it leaves the calls on the batch (BatchCall)
-        # whose impacts at this order the format forwards below measure (capture/format_pass.py, _post_batch_only)
-        t0 = time.perf_counter()
-        impacts, note = second_order_impacts(session, alt, fp32)
-        wall = time.perf_counter() - t0
-    sink: dict[str, dict[Format, float]] | None = {} if impacts is not None and any(
-        c.refs is not None for c in session._batch_call_records.values()) else None
-    with _threads(alt):
-        if fp32.outputs is None:  # on CUDA, or the repeat failed
+        # whose impacts at this order the format forwards measure (capture/format_pass.py, _post_batch_only)
+        _impacts_pass(session, noise, fp32)
+    if fp32.outputs is None:  # without the repeat (not asked for, on CUDA, or it failed): a forward of its own
+        with _threads(alt):
             fp32.run()
-        ref_loss, alt_outputs, out_err, layer_err = fp32.loss, fp32.outputs, fp32.out_err, fp32.layers
-        runs: dict[Format, OrderRun] = {}
+    main_loss = session.reference.loss if session.reference else None
+    ref_loss = fp32.loss
+    noise.reference_loss, noise.outputs, noise.output_rel_error = ref_loss, fp32.outputs, fp32.out_err
+    noise.layers = {n: e.rel_l2 for n, e in fp32.layers.items()}
+    noise.loss_rel = (abs(ref_loss - main_loss) / abs(main_loss) if main_loss else abs(ref_loss - (main_loss or 0.0))) \
+        if ref_loss is not None and main_loss is not None else math.nan
+    if full:
+        _format_forwards(session, noise, formats)
+    session._reset()
+    session._batch_call_records.clear()
+    return noise
+
+
+#: ``planner_impacts`` until the planner's inputs are measured at the second order (planning/second_order.py)
+NOT_NEEDED = "not measured: no planner choice needed them (docs/plan.md, \"Noise floor\")"
+
+
+def recheck_formats(session, noise: NoiseFloor, formats: tuple[Format, ...]) -> None:
+    """Each of ``formats``' forward at the second order, against that order's FP32 output (into ``noise.runs``):
+    the re-check of a verdict whose figures lie near their budget (planning/second_order.py)."""
+    _format_forwards(session, noise, tuple(f for f in formats if f not in noise.runs))
+    session._reset()
+
+
+def complete(session, noise: NoiseFloor, formats: tuple[Format, ...]) -> None:
+    """Everything else at the second order: the planner's impacts (the reference pass repeated there) and every
+    format's forward, as :func:`measure_noise_floor` with ``full`` measures them (the FP32 noise floor is kept)."""
+    if noise.threads is None:  # on CUDA: no second order of impacts; the formats' forwards repeat the first
+        recheck_formats(session, noise, formats)
+        return
+    _impacts_pass(session, noise, None)
+    sink = noise.impacts is not None and any(c.refs is not None for c in session._batch_call_records.values())
+    # a format forward already run for a verdict is run again only for the calls on the batch it measures
+    _format_forwards(session, noise, formats if sink else tuple(f for f in formats if f not in noise.runs))
+    session._reset()
+    session._batch_call_records.clear()
+
+
+def _impacts_pass(session, noise: NoiseFloor, fp32: _Fp32Order | None) -> None:
+    t0 = time.perf_counter()
+    assert noise.threads is not None
+    noise.impacts, noise.impacts_note = second_order_impacts(session, noise.threads[1], fp32)
+    noise.impacts_wall_s = time.perf_counter() - t0
+
+
+def _format_forwards(session, noise: NoiseFloor, formats: tuple[Format, ...]) -> None:
+    """``formats``' forwards at the second order; with the planner's impacts being measured (the calls on the batch
+    of the repeated reference pass still recorded), each also gives those calls' impacts, into ``noise.impacts``."""
+    sink: dict[str, dict[Format, float]] | None = {} if noise.impacts is not None and any(
+        c.refs is not None for c in session._batch_call_records.values()) else None
+    alt = noise.threads[1] if noise.threads else None
+    with _threads(alt):
         for f in formats:
             run = session.runs.get(f)
             if run is not None and run.error:
                 continue
             t0 = time.perf_counter()
-            runs[f] = _format_forward(session, f, alt_outputs, sink)
-            if sink is not None and wall is not None:
-                wall += time.perf_counter() - t0
-    session._reset()
-    session._batch_call_records.clear()
-    if impacts is not None and sink is not None:
+            noise.runs[f] = _format_forward(session, f, noise.outputs, sink)
+            if sink is not None and noise.impacts_wall_s is not None:
+                noise.impacts_wall_s += time.perf_counter() - t0
+    if noise.impacts is not None and sink is not None:
         for name, per in sink.items():
-            impacts.setdefault(name, {}).update(per)
-    main_loss = session.reference.loss if session.reference else None
-    loss_rel = (abs(ref_loss - main_loss) / abs(main_loss) if main_loss else abs(ref_loss - (main_loss or 0.0))) \
-        if ref_loss is not None and main_loss is not None else math.nan
-    return NoiseFloor(method=method, threads=None if alt is None else (main, alt), reference_loss=ref_loss,
-                      loss_rel=loss_rel, output_rel_error=out_err,
-                      layers={n: e.rel_l2 for n, e in layer_err.items()}, runs=runs, outputs=alt_outputs,
-                      impacts=impacts, impacts_note=note, impacts_wall_s=wall)
+            noise.impacts.setdefault(name, {}).update(per)
 
 
 class _Fp32Order:
@@ -260,7 +315,7 @@ def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
     this order from the pass's own forward (the noise floor's loss, outputs and sample of layers).
     """
     saved = (session.layers, session.grad_all, session._ref_outputs, session.reference,
-             session._ref_grad_nonfinite, list(session.warnings))
+             session._ref_grad_nonfinite, list(session.warnings), dict(session.memory))
     session.layers, session.grad_all, session._ref_outputs = {}, MagnitudeHistogram(), {}
     session._ref_grad_nonfinite = {}
     # Only the loss impacts are read from this pass: it skips the histograms, the FP32 references, the local
@@ -282,7 +337,7 @@ def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
         session._impacts_only = False
         session._on_reference_output = None
         (session.layers, session.grad_all, session._ref_outputs, session.reference,
-         session._ref_grad_nonfinite, session.warnings) = saved
+         session._ref_grad_nonfinite, session.warnings, session.memory) = saved
         session._clone_cache.clear()
         session.calls.stack.clear()
         session._reset()

@@ -161,11 +161,12 @@ def both_orders(a: float | None, b: float | None) -> float | None:
 
 
 def symmetric_reference_loss(analysis: Analysis) -> float:
-    """The FP32 loss the planner's budget is taken from: the mean over the two reduction orders when the second
-    was measured (a + b == b + a in floating point, so the same at 1 and 2 threads), else the audit's own."""
+    """The FP32 loss the planner's budget is taken from: the mean over the two reduction orders when there are two
+    (a + b == b + a in floating point, so the same at 1 and 2 threads; the FP32 noise floor always measures the
+    second on a CPU), else the audit's own."""
     ref = analysis.reference_loss
     noise = analysis.noise
-    alt = getattr(noise, "reference_loss", None) if getattr(noise, "impacts", None) is not None else None
+    alt = getattr(noise, "reference_loss", None) if getattr(noise, "threads", None) is not None else None
     if alt is None or not math.isfinite(alt) or not math.isfinite(ref):
         return ref
     return (ref + alt) / 2

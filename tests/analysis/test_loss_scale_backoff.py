@@ -128,25 +128,27 @@ def test_backing_off_keeps_the_reference_passs_figures(tmp_path, monkeypatch):
     and without the back-off."""
     import precision_audit.audit as A
     from precision_audit.analysis import findings
+    from precision_audit.planning import second_order
 
-    impacts: dict = {}
+    impacts: list[dict] = []  # what each analysis read (an audit analyses again after a pass at the second order)
     orig = findings.analyse
 
     def spy(capture, *a, **k):
-        impacts[len(impacts)] = {r.name: (f.local.n if f.local else None, f.loss_impact, f.loss_impact_abs)
-                                 for r in capture.layers for f in [r.formats[Format.FP16]]}
+        impacts.append({r.name: (f.local.n if f.local else None, f.loss_impact, f.loss_impact_abs)
+                        for r in capture.layers for f in [r.formats[Format.FP16]]})
         return orig(capture, *a, **k)
 
-    monkeypatch.setattr(A, "analyse", spy)
+    monkeypatch.setattr(second_order, "analyse", spy)
     backed = _audit(tmp_path, SHARED, "backed")
     assert backed["loss_scale"]["backward_overflow"] is not None
+    backed_impacts = impacts[-1]
     monkeypatch.setattr(A, "_back_off", lambda *a: None)
     plain = _audit(tmp_path, SHARED, "plain")
     assert plain["loss_scale"]["backward_overflow"] is None
     for x, y in zip(backed["layers"], plain["layers"]):
         assert x["error"]["fp16"] == y["error"]["fp16"], x["name"]
-    assert impacts[0] == impacts[1]
-    assert impacts[0]["a"][0] == 2 * 64  # both calls' elements: the re-run's and the call on the batch's
+    assert backed_impacts == impacts[-1]
+    assert backed_impacts["a"][0] == 2 * 64  # both calls' elements: the re-run's and the call on the batch's
 
 
 def test_a_measured_overflow_caps_the_recommendation():

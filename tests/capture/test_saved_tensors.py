@@ -76,3 +76,44 @@ def test_nothing_of_an_audit_outlives_it(monkeypatch):
     assert sessions and not [w for w in sessions if w() is not None], "a capture session outlived the audit"
     left = [tuple(t.shape) for w in saved if (t := w()) is not None and t.grad_fn is not None]
     assert saved and not left, f"tensors saved for backward in the audit's passes outlived it: {left}"
+
+
+_WIDE_HEAD = '''
+import torch
+from torch import nn
+
+
+def build_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2000))
+
+
+def sample_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 16, generator=g), torch.randint(0, 2000, (64,), generator=g)
+'''
+
+
+def test_the_loss_functions_trial_call_builds_no_graph(tmp_path):
+    """The audit resolves the loss with one trial call of the file's loss_fn on the FP32 pass's output (audit.py,
+    SubjectRun). Under autograd that call built a second loss graph inside the pass: a logits-sized log_softmax
+    held to the pass's peak and counted as the pass's saved activations (audit.json memory.per_format.fp32), where
+    the same loss inferred from the target (no trial call) counts one."""
+    from precision_audit.audit import AuditOptions, compute_audit
+
+    inferred = tmp_path / "inferred.py"
+    inferred.write_text(_WIDE_HEAD)
+    own = tmp_path / "own.py"
+    own.write_text(_WIDE_HEAD + "\n\ndef loss_fn(out, batch):\n    grad_modes.append(torch.is_grad_enabled())\n"
+                                "    return nn.functional.cross_entropy(out, batch[1])\n\n\ngrad_modes = []\n")
+
+    def saved(path) -> int:
+        a = compute_audit(AuditOptions(model=str(path), steps=0, formats=("bf16",))).audit
+        return a["memory"]["per_format"]["fp32"]["saved_activation_bytes"]
+
+    assert saved(own) == saved(inferred)
+    import sys
+
+    module = next(m for n, m in sys.modules.items() if n.startswith("_precision_audit_user_model_")
+                  and getattr(m, "__file__", "") == str(own.resolve()))
+    assert module.grad_modes[0] is False, "the trial call ran with autograd recording"

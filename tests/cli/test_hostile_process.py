@@ -253,7 +253,8 @@ CASES: list[Case] = [
     # --- internal errors: exit 3, one line, the previous audit untouched ------------------------------------------
     Case("internal-error-in-the-analysis", lambda d: [MLP, "--batch", MLP_BATCH],
          _internal_words("ZeroDivisionError: boom"), code=EXIT_INTERNAL, prev_good=True,
-         patch=lambda mp: mp.setattr("precision_audit.audit.analyse", _fail(ZeroDivisionError("boom")))),
+         patch=lambda mp: mp.setattr("precision_audit.planning.second_order.analyse",
+                                     _fail(ZeroDivisionError("boom")))),
     Case("internal-error-rendering-html", lambda d: [MLP, "--batch", MLP_BATCH],
          _internal_words("KeyError"), code=EXIT_INTERNAL, prev_good=True,
          patch=lambda mp: mp.setattr("precision_audit.report.html.render_html", _fail(KeyError("layers")))),
@@ -264,7 +265,8 @@ CASES: list[Case] = [
     Case("internal-error-verbose-shows-the-traceback", lambda d: [MLP, "--batch", MLP_BATCH, "--verbose"],
          ("Traceback (most recent call last)", "ZeroDivisionError: boom",
           "precision-audit: internal error (exit 3)"), code=EXIT_INTERNAL, prev_good=True, one_message=False,
-         patch=lambda mp: mp.setattr("precision_audit.audit.analyse", _fail(ZeroDivisionError("boom")))),
+         patch=lambda mp: mp.setattr("precision_audit.planning.second_order.analyse",
+                                     _fail(ZeroDivisionError("boom")))),
 ]
 
 

@@ -238,7 +238,11 @@ def test_audit_peak_gpu_memory_of_a_train_mode_model_with_dropout_within_a_train
     with _AttentionBackends() as backends:
         audit_peak = _peak_above_start(lambda: result.append(
             precision_audit.audit(model, batch, loss_fn=_token_loss, device="cuda", steps=0, formats="bf16",
-                                  progress=False)))
+                                  progress=False,
+                                  # bf16's output error (3e-3 on the fake device, ~4e-3 on a GPU) within 2x
+                                  # below it: re-checked at the second order (docs/plan.md, "Noise floor"),
+                                  # whose masks are checked below
+                                  budget={"max_output_rel_error": 5e-3})))
     a = result[0].audit
     assert a["mode"] == "cuda" and a["model"]["training"] is True
     (n, largest), = draws
@@ -248,6 +252,7 @@ def test_audit_peak_gpu_memory_of_a_train_mode_model_with_dropout_within_a_train
         f"{backends.math_only} of {backends.calls} attention calls with dropout ran on the math backend alone"
     assert _pinned_host_bytes(gpu) <= pinned_before, "the audit's pinned host blocks outlived it"
     first = a["summary"]["bf16"]["output"]["rel_l2"]
+    assert 2.5e-3 < first <= 5e-3, f"bf16's output error {first:.3g}: not re-checked at the second order"
     second = a["noise_floor"]["second_order"]["bf16"]["output_rel_error"]
     assert second <= 2 * first, f"bf16 output error {second:.3g} at the second order, {first:.3g} at the first"
     if gpu.real:
