@@ -255,7 +255,9 @@ class Watch:
                 grad = [_log2(v) + math.log2(scale) for v in s["gradient"]]
                 targets.append(("gradient", math.log2(top), grad, True))
             if any(math.isfinite(v) for v in s["underflow"]):
-                targets.append(("underflow", UNDERFLOW_LIMIT, list(s["underflow"]), True))
+                # the share's logarithm: a gradient shrinking by a steady factor moves its distribution's tail
+                # past 2^-14 at a roughly exponential rate (the share itself bends upwards)
+                targets.append(("underflow", math.log2(UNDERFLOW_LIMIT), [_log2(v) for v in s["underflow"]], True))
         return targets
 
     def _acts(self, fc: Crossing, step: int) -> bool:
@@ -303,13 +305,14 @@ def describe(name: str, fmt: str, kind: str, fc: Crossing, step: int) -> str:
             "underflow": "the share of its fp16 output gradient below the normal range"}[kind]
     limit = (f"fp16's underflow limit {UNDERFLOW_LIMIT:g}" if kind == "underflow"
              else f"{fmt}'s largest value {format_max(fmt):g}")
-    trend = (f"{100 * (2 ** fc.slope - 1):+.2f}% per step" if kind != "underflow" else f"{fc.slope:+.3g} per step")
+    trend = f"{100 * (2 ** fc.slope - 1):+.2f}% per step"
     assert fc.step is not None
     span = (f", 95% interval {fc.low:.0f}-{fc.high:.0f}" if fc.low is not None and fc.high is not None
             else f", 95% interval from {fc.low:.0f}" if fc.low is not None else "")
+    when = (f"{fc.step - step:.0f} steps ahead" if fc.step >= step else
+            "already past it on the fitted line")
     return (f"{what} moves {trend} (robust fit of {fc.points} readings); forecast to pass {limit} at step "
-            f"{fc.step:.0f}{span}, {fc.step - step:.0f} steps ahead (confidence {fc.confidence:.2f} within the "
-            f"horizon)")
+            f"{fc.step:.0f}{span}, {when} (confidence {fc.confidence:.2f} within the horizon)")
 
 
 def _first_float(out: Any) -> torch.Tensor | None:

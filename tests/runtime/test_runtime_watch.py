@@ -12,6 +12,7 @@ variant grows 1.08 per step over 160 steps.
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -237,3 +238,65 @@ def test_the_growth_sample_fast(tmp_path):
 @pytest.mark.slow
 def test_the_growth_sample_over_600_steps(tmp_path):
     _check_growth(600, growth.GROWTH, tmp_path)
+
+
+# -- the planted underflow ---------------------------------------------------------------------------------------
+
+class Shrink(nn.Module):
+    """Trained with a loss weight decaying 4% a step at a fixed loss scale of 1024: its fp16 output gradients
+    shrink into the subnormal range. Measured by running it (every step read, no action): the share below 2^-14
+    first passes 1% at step 124 in ``a`` and 118 in ``b``; no step is skipped (an underflow never skips)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 64)
+        self.b = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _shrink_run(every: int, act: bool, steps: int = 200, writer=None):
+    torch.manual_seed(0)
+    model = Shrink()
+    policy = make_policy(model, "fp16")
+    policy = Policy(**{**policy.__dict__, "loss_scaling": LossScaling(enabled=True, init_scale=1024.0,
+                                                                      growth_interval=10 ** 6)})
+    handle = pa.apply_policy(model, policy)
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=0.01), policy, watch=True, watch_every=every,
+                        horizon=100, device="cpu", watch_writer=writer)
+    if not act:
+        ctl.watch.min_confidence = math.inf  # measure only: never act
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=g), torch.randn(64, 32, generator=g)
+    for t in range(1, steps + 1):
+        with pa.autocast(policy, "cpu"):
+            loss = F.mse_loss(model(x).float(), y) * 0.96 ** t
+        ctl.step(loss)
+    handle.remove()
+    ctl.close()
+    return ctl
+
+
+def test_shrinking_gradients_are_promoted_before_they_underflow(tmp_path):
+    plain = _shrink_run(1, act=False, steps=130)
+    crossing = {n: next(s for s, u in zip(plain.watch.series[n]["step"], plain.watch.series[n]["underflow"])
+                        if u > 0.01) for n in ("a", "b")}
+    assert plain.skipped_steps == 0 and not plain.watch.actions
+    assert 100 < min(crossing.values()), crossing  # the planted trend, not the start, crosses
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    watched = _shrink_run(10, act=True, steps=130, writer=writer)
+    writer.close()
+    acts = {a.module: a for a in watched.watch.actions}
+    assert set(acts) == {"a", "b"} and all(acts[n].step < crossing[n] for n in acts), (acts, crossing)
+    assert all("below the normal range" in a.reason and a.change == "fp16 -> bf16" for a in acts.values())
+    # the series went to TensorBoard on the step axis
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    events = ea.Scalars("watch/a/output_amax_log2")
+    assert [e.step for e in events] == list(watched.watch.series["a"]["step"])
+    assert events[0].value == pytest.approx(math.log2(watched.watch.series["a"]["output"][0]), rel=1e-6)
