@@ -60,6 +60,9 @@ UNDERFLOW_LIMIT = 1e-2
 FP16_NORMAL = 2.0 ** -14
 #: Readings a forecast fits (the recent trend).
 DEFAULT_WINDOW = 32
+#: The fewest readings a forecast must fit before the watch acts on it (a shorter series is forecast and logged):
+#: six noisy readings can show a slope that is not there (docs/policy.md, "Watch and forecast").
+ACT_MIN_POINTS = 10
 #: Forecast records kept (each a crossing within this many horizons).
 LOG_HORIZONS = 5
 _PROMOTE = {"fp16": "bf16", "bf16": "fp32"}
@@ -238,7 +241,7 @@ class Watch:
                         if self.writer is not None:
                             self.writer.add_scalar(f"watch/{name or '(root)'}/{fmt}_{kind}_steps_left",
                                                    fc.step - step, step)
-                    if fmt == policy.effective_format(name) and self._acts(fc, step):
+                    if fmt == policy.effective_format(name) and self._acts(fc, step, steps[0]):
                         due.append({"module": name, "format": fmt, "kind": kind, "forecast": fc})
         return due
 
@@ -260,8 +263,12 @@ class Watch:
                 targets.append(("underflow", math.log2(UNDERFLOW_LIMIT), [_log2(v) for v in s["underflow"]], True))
         return targets
 
-    def _acts(self, fc: Crossing, step: int) -> bool:
-        return (fc.step is not None and fc.step - step <= self.horizon and fc.confidence >= self.min_confidence)
+    def _acts(self, fc: Crossing, step: int, first: float) -> bool:
+        """Act on a crossing within the horizon, at the confidence asked, that the fitted readings lead up to: a
+        line that crossed before the window's first reading describes a series already beyond the limit (a standing
+        condition, the audit's and the reactive fallback's to judge), not a trend towards it."""
+        return (fc.step is not None and fc.points >= ACT_MIN_POINTS and first <= fc.step <= step + self.horizon
+                and fc.confidence >= self.min_confidence)
 
     def promotion(self, name: str, fmt: str, kind: str, fc: Crossing, step: int,
                   bf16_ok: bool) -> tuple[str, str] | None:
@@ -310,7 +317,7 @@ def describe(name: str, fmt: str, kind: str, fc: Crossing, step: int) -> str:
     span = (f", 95% interval {fc.low:.0f}-{fc.high:.0f}" if fc.low is not None and fc.high is not None
             else f", 95% interval from {fc.low:.0f}" if fc.low is not None else "")
     when = (f"{fc.step - step:.0f} steps ahead" if fc.step >= step else
-            "already past it on the fitted line")
+            "crossed on the fitted line since the last readings")
     return (f"{what} moves {trend} (robust fit of {fc.points} readings); forecast to pass {limit} at step "
             f"{fc.step:.0f}{span}, {when} (confidence {fc.confidence:.2f} within the horizon)")
 
@@ -337,7 +344,7 @@ def _short(v: float) -> float | None:
     return float(f"{v:.4g}") if math.isfinite(v) else None
 
 
-def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: torch.amp.GradScaler,
+def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: torch.amp.GradScaler | None,
               step: int) -> tuple[Policy, tuple[str, ...]]:
     """Carry out the changes :meth:`Watch.record` found due: promotions in a copy of ``policy``, and the loss
     scale's backoff and slower growth on ``scaler`` (recorded in the copy's ``loss_scaling``). Returns (the
@@ -349,7 +356,7 @@ def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: t
     for d in due:
         name, fmt, kind, fc = d["module"], d["format"], d["kind"], d["forecast"]
         if kind == "gradient":
-            if scaled or not scaler.is_enabled():
+            if scaled or scaler is None or not scaler.is_enabled():
                 continue
             scaled = True
             ls = policy.loss_scaling

@@ -287,7 +287,7 @@ def test_shrinking_gradients_are_promoted_before_they_underflow(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tmp_path / "tb"))
-    watched = _shrink_run(10, act=True, steps=130, writer=writer)
+    watched = _shrink_run(5, act=True, steps=130, writer=writer)
     writer.close()
     acts = {a.module: a for a in watched.watch.actions}
     assert set(acts) == {"a", "b"} and all(acts[n].step < crossing[n] for n in acts), (acts, crossing)
