@@ -3,7 +3,10 @@ data) with ``controller(..., watch=True)`` for 300 steps under a uniform fp16 po
 fp16_trouble sample with its overflowing ``hot`` pinned to fp32, as its audit plans) and report every action and
 every forecast that put a crossing within 5 horizons, with the measured trend behind it.
 
-    python bench/watch_false_alarms.py [--steps 300] [--every 10] [--only mlp,cnn,...]
+    python bench/watch_false_alarms.py [--steps 300] [--every 10] [--only mlp,cnn,...] [--measure-only]
+
+``--measure-only`` never acts: it lists the forecasts that would have acted and what the series then did (whether
+and when the limit was actually crossed), which tells a justified promotion from a false alarm.
 
 Random data: each step draws a fresh batch shaped like the sample's (floating tensors ~ N(0, 1), integer tensors
 uniform over the sample's value range). Adam, lr 1e-3, CPU autocast (emulated fp16 on the CPU), GradScaler from
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 import time
 from pathlib import Path
@@ -85,7 +89,7 @@ def _loss(model: torch.nn.Module, batch: Any, loss_fn: Any) -> torch.Tensor:
     return F.cross_entropy(out.float(), target)
 
 
-def run(name: str, steps: int, every: int) -> dict[str, Any]:
+def run(name: str, steps: int, every: int, measure_only: bool = False) -> dict[str, Any]:
     model, batch, loss_fn, pins = _hf(name) if name in ("gpt2", "bert") else _sample(name)
     fp, n = fingerprint(model)
     policy = Policy(model_class=type(model).__name__, model_fingerprint=fp, model_modules=n, target_name="H100",
@@ -95,6 +99,9 @@ def run(name: str, steps: int, every: int) -> dict[str, Any]:
     handle = pa.apply_policy(model, policy)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ctl = pa.controller(model, opt, policy, watch=True, watch_every=every, device="cpu")
+    if measure_only:
+        assert ctl.watch is not None
+        ctl.watch.min_confidence = math.inf  # never act
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -112,22 +119,46 @@ def run(name: str, steps: int, every: int) -> dict[str, Any]:
             "last_loss": ctl.monitor.last.loss if ctl.monitor.last else None, "series": w.to_dict()["modules"]}
 
 
+def _would_have(r: dict[str, Any]) -> None:
+    """The forecasts that would have acted (10+ readings, crossing ahead within 200 steps, confidence >= 0.9), and
+    whether the measured series then crossed the limit."""
+    from precision_audit.runtime.watch import UNDERFLOW_LIMIT, format_max
+
+    seen = set()
+    for f in r["forecasts"]:
+        key = (f["module"], f["kind"])
+        if key in seen or not (f["points"] >= 10 and f["at"] <= f["step"] <= f["at"] + 200 and f["confidence"] >= 0.9):
+            continue
+        seen.add(key)
+        s = r["series"][f["module"]]
+        col, limit = (("underflow", UNDERFLOW_LIMIT) if f["kind"] == "underflow" else
+                      ("output", format_max(f["format"]) or math.inf))
+        crossed = next((st for st, v in zip(s["step"], s[col]) if v is not None and v > limit), None)
+        peak = max((v for v in s[col] if v is not None), default=None)
+        print(f"  {r['model']}: would act at step {f['at']} on {f['module']} ({f['kind']}): forecast {f['step']}; "
+              f"measured: {'crossed at step ' + str(crossed) if crossed else 'never crossed'} (peak {peak})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--only", default=",".join((*SAMPLES, "gpt2", "bert")))
+    p.add_argument("--measure-only", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
     print("| model | watched modules | readings | skipped steps | forecasts within 5 horizons | actions | "
           "last loss | wall (s) |\n|---|---|---|---|---|---|---|---|")
     details = []
     for name in args.only.split(","):
-        r = run(name, args.steps, args.every)
+        r = run(name, args.steps, args.every, args.measure_only)
         print(f"| {name} | {r['modules']} | {r['readings']} | {r['skipped']} | {len(r['forecasts'])} | "
               f"{len(r['actions'])} | {r['last_loss']:.4g} | {r['wall_s']:.1f} |", flush=True)
         details.append(r)
     for r in details:
+        if args.measure_only:
+            _would_have(r)
+            continue
         for f in r["forecasts"][:10]:
             print(f"  {r['model']}: forecast {f}")
         for a in r["actions"]:

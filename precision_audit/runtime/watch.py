@@ -241,7 +241,7 @@ class Watch:
                         if self.writer is not None:
                             self.writer.add_scalar(f"watch/{name or '(root)'}/{fmt}_{kind}_steps_left",
                                                    fc.step - step, step)
-                    if fmt == policy.effective_format(name) and self._acts(fc, step, steps[0]):
+                    if fmt == policy.effective_format(name) and self._acts(fc, step):
                         due.append({"module": name, "format": fmt, "kind": kind, "forecast": fc})
         return due
 
@@ -263,11 +263,12 @@ class Watch:
                 targets.append(("underflow", math.log2(UNDERFLOW_LIMIT), [_log2(v) for v in s["underflow"]], True))
         return targets
 
-    def _acts(self, fc: Crossing, step: int, first: float) -> bool:
-        """Act on a crossing within the horizon, at the confidence asked, that the fitted readings lead up to: a
-        line that crossed before the window's first reading describes a series already beyond the limit (a standing
-        condition, the audit's and the reactive fallback's to judge), not a trend towards it."""
-        return (fc.step is not None and fc.points >= ACT_MIN_POINTS and first <= fc.step <= step + self.horizon
+    def _acts(self, fc: Crossing, step: int) -> bool:
+        """Act on a crossing ahead (from this reading to ``horizon`` steps on) at the confidence asked, on a fit of
+        at least :data:`ACT_MIN_POINTS` readings. A line that has crossed already describes either a series beyond
+        the limit (a standing condition: the audit's and the reactive fallback's to judge) or readings the line no
+        longer follows (a trend that bent back): neither is a forecast."""
+        return (fc.step is not None and fc.points >= ACT_MIN_POINTS and step <= fc.step <= step + self.horizon
                 and fc.confidence >= self.min_confidence)
 
     def promotion(self, name: str, fmt: str, kind: str, fc: Crossing, step: int,
