@@ -23,8 +23,8 @@ module and per format it runs in (or ran in before a promotion):
 When a forecast puts the crossing within ``horizon`` steps with at least ``min_confidence``, the watch acts: an
 fp16 module overflowing or underflowing is promoted to bf16 when the policy's target has it (compute capability
 8.0 or later), else to fp32; a bf16 module to fp32; a scaled gradient heading for fp16's maximum lowers the
-loss scale (one backoff) and slows its growth (the growth interval x4). The reason quotes the forecast; the
-controller records it in its copy of the policy (``controller.policy``) and logs it at WARNING.
+loss scale (one backoff) and, the first time, slows its growth (the growth interval x4). The reason quotes the
+forecast; the controller records it in its copy of the policy (``controller.policy``) and logs it at WARNING.
 
 Example::
 
@@ -362,7 +362,8 @@ def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: t
             scaled = True
             ls = policy.loss_scaling
             old = int(getattr(scaler, "_growth_interval", ls.growth_interval))
-            new = old * 4
+            # the growth slows once (x4); later forecasts only back the scale off
+            new = old * 4 if not any(a.kind == "loss_scale" for a in watch.actions) else old
             backoff = float(getattr(scaler, "_backoff_factor", ls.backoff_factor))
             scale_t = getattr(scaler, "_scale", None)
             if isinstance(scale_t, torch.Tensor):
@@ -370,15 +371,15 @@ def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: t
             scaler._growth_interval = new  # torch.amp.GradScaler's own field
             reason = describe(name, fmt, kind, fc, step)
             policy = dataclasses.replace(policy, loss_scaling=dataclasses.replace(ls, growth_interval=new))
-            watch.note(Action(step, name, "loss_scale", f"scale x{backoff:g}, growth interval {old} -> {new}",
-                              reason))
+            change = f"scale x{backoff:g}" + (f", growth interval {old} -> {new}" if new != old else "")
+            watch.note(Action(step, name, "loss_scale", change, reason))
             continue
         if name in promoted:
             continue
-        change = watch.promotion(name, fmt, kind, fc, step, bf16_ok)
-        if change is None:
+        promotion = watch.promotion(name, fmt, kind, fc, step, bf16_ok)
+        if promotion is None:
             continue
-        to, reason = change
+        to, reason = promotion
         policy = policy.with_override(name, to, reason)
         promoted.append(name)
         watch.note(Action(step, name, "promote", f"{fmt} -> {to}", reason))

@@ -300,3 +300,70 @@ def test_shrinking_gradients_are_promoted_before_they_underflow(tmp_path):
     events = ea.Scalars("watch/a/output_amax_log2")
     assert [e.step for e in events] == list(watched.watch.series["a"]["step"])
     assert events[0].value == pytest.approx(math.log2(watched.watch.series["a"]["output"][0]), rel=1e-6)
+
+
+# -- no false alarms --------------------------------------------------------------------------------------------
+
+def test_no_forecast_on_a_steady_sample():
+    """The mlp sample trained 100 steps on random data in fp16: no action, and no forecast puts a crossing within
+    the horizon (bench/watch_false_alarms.py runs the other samples and two Hugging Face models, 300 steps)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample_mlp", ROOT / "sample_models" / "mlp" / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = mod.build_model()
+    policy = make_policy(model, "fp16", init_scale=2.0 ** 16)
+    handle = pa.apply_policy(model, policy)
+    ctl = pa.controller(model, torch.optim.Adam(model.parameters(), lr=1e-3), policy, watch=True, watch_every=5,
+                        device="cpu")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 16, (32,), generator=g)
+        with pa.autocast(policy, "cpu"):
+            loss = F.cross_entropy(model(x).float(), y)
+        ctl.step(loss)
+    handle.remove()
+    ctl.close()
+    assert ctl.watch.readings == 20 and ctl.skipped_steps == 0
+    assert ctl.watch.actions == []
+    assert all(e["step"] - e["at"] > 200 for e in ctl.watch.log), ctl.watch.log
+
+
+# -- the loss scale ----------------------------------------------------------------------------------------------
+
+def _rising_grads(watch: bool, steps: int = 150):
+    """Net trained in fp16 with a loss weight growing 4% a step at a fixed loss scale of 2^12 (growth interval
+    10^6): the scaled gradients grow towards fp16's 65504, and the GradScaler would back off on an overflow."""
+    torch.manual_seed(0)
+    model = Net()
+    base = make_policy(model, "fp16")
+    policy = Policy(**{**base.__dict__, "loss_scaling": LossScaling(enabled=True, init_scale=2.0 ** 12,
+                                                                    growth_interval=10 ** 6)})
+    handle = pa.apply_policy(model, policy)
+    ctl = pa.controller(model, torch.optim.SGD(model.parameters(), lr=1e-9), policy, watch=watch, watch_every=5,
+                        horizon=100, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+    first = None
+    for t in range(1, steps + 1):
+        with pa.autocast(policy, "cpu"):
+            loss = F.mse_loss(model(x).float(), y) * 1.04 ** t
+        if ctl.step(loss).skipped and first is None:
+            first = t
+    handle.remove()
+    ctl.close()
+    return ctl, first
+
+
+def test_rising_gradients_lower_the_loss_scale_before_the_first_overflow():
+    plain, first = _rising_grads(False)
+    assert first is not None and plain.skipped_steps >= 1, "the planted growth must overflow the scaled gradients"
+    watched, first_w = _rising_grads(True)
+    assert first_w is None and watched.skipped_steps == 0
+    acts = [a for a in watched.watch.actions if a.kind == "loss_scale"]
+    assert acts and acts[0].step < first, (acts[:1], first)
+    assert "scaled output-gradient amax" in acts[0].reason and "growth interval 1000000 -> 4000000" in acts[0].change
+    assert all(a.change == "scale x0.5" for a in acts[1:]), "the growth slows once; later actions back off"
+    assert watched.policy.loss_scaling.growth_interval == 4 * 10 ** 6
+    assert watched.scaler.get_scale() == 2.0 ** 12 * 0.5 ** len(acts)
