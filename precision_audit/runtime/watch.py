@@ -137,7 +137,7 @@ class Watch:
             d = t.detach()
             if not d.numel():
                 return
-            amax = torch.linalg.vector_norm(d, ord=math.inf).float()
+            amax = torch.linalg.vector_norm(d, ord=math.inf, dtype=torch.float32)  # one kernel, read in fp32
             prev = self._out[k]
             self._out[k] = amax if prev is None else torch.maximum(prev, amax)
             if t.requires_grad:
@@ -148,7 +148,7 @@ class Watch:
         def hook(g: torch.Tensor) -> None:
             if not g.numel():
                 return
-            amax = torch.linalg.vector_norm(g, ord=math.inf).float()
+            amax = torch.linalg.vector_norm(g, ord=math.inf, dtype=torch.float32)
             prev = self._grad[k]
             self._grad[k] = amax if prev is None else torch.maximum(prev, amax)
             if g.dtype == torch.float16:
