@@ -194,6 +194,8 @@ def main() -> None:
     ap.add_argument("--watch", action="store_true",
                     help="time controller.step without and with watch=True (every 10 steps and every step), each "
                          "on its own copy of the model, rotating: the watch's overhead as a paired ratio")
+    ap.add_argument("--native", action="store_true",
+                    help="with --watch on the CPU: torch's own CPU autocast instead of the emulated CUDA one")
     args = ap.parse_args()
     dev, dtype = args.device, DTYPES[args.format]
     model, source = load_model(str(ROOT / "bench" / "models" / "residual_mlp.py"))
@@ -226,6 +228,10 @@ def main() -> None:
         return time.perf_counter() - t0
 
     if args.watch:
+        if args.native:  # torch's own CPU autocast: no emulation layer around the watch's kernels
+            with contextlib.nullcontext():
+                watch_overhead(model, policy, batch, spec, lambda: pa.autocast(policy, "cpu"), one, dev, args.repeats)
+            return
         with CudaAutocastPolicy() if dev == "cpu" else contextlib.nullcontext():
             watch_overhead(model, policy, batch, spec, policy_autocast, one, dev, args.repeats)
         return

@@ -11,10 +11,10 @@ variant grows 1.08 per step over 160 steps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,11 +30,17 @@ from precision_audit.runtime.forecast import fit_crossing, theil_sen
 from tests.runtime.test_runtime_step_cost import Count
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
-sys.path.insert(0, str(ROOT / "sample_models" / "fp16_growth"))
-import model as growth  # noqa: E402
 
-sys.path.pop(0)
-del sys.modules["model"]  # other tests import their own sample's ``model``
+
+def _load_sample(name: str):
+    """A sample's model.py under its own module name (other tests import theirs as ``model``)."""
+    spec = importlib.util.spec_from_file_location(f"sample_{name}", ROOT / "sample_models" / name / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+growth = _load_sample("fp16_growth")
 
 
 def make_policy(model: nn.Module, default: str, *, cc: tuple[int, int] | None = (9, 0), scaling: bool = True,
@@ -307,12 +313,7 @@ def test_shrinking_gradients_are_promoted_before_they_underflow(tmp_path):
 def test_no_forecast_on_a_steady_sample():
     """The mlp sample trained 100 steps on random data in fp16: no action, and no forecast puts a crossing within
     the horizon (bench/watch_false_alarms.py runs the other samples and two Hugging Face models, 300 steps)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sample_mlp", ROOT / "sample_models" / "mlp" / "model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    model = mod.build_model()
+    model = _load_sample("mlp").build_model()
     policy = make_policy(model, "fp16", init_scale=2.0 ** 16)
     handle = pa.apply_policy(model, policy)
     ctl = pa.controller(model, torch.optim.Adam(model.parameters(), lr=1e-3), policy, watch=True, watch_every=5,
