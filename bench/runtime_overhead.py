@@ -1,7 +1,7 @@
 """Runtime overhead: a training step with the policy applied and the controller, against the same step written by
 hand with the same guarantees (issue 33, decision 3), measured in one run.
 
-    python bench/runtime_overhead.py [--repeats 300] [--format bf16|fp16] [--count] [--ab]
+    python bench/runtime_overhead.py [--repeats 300] [--format bf16|fp16] [--count] [--ab] [--watch]
     python bench/runtime_overhead.py --device cuda                                   # on a GPU: 512 wide
     PA_WIDTH=4096 PA_BATCH=8192 python bench/runtime_overhead.py --device cuda --repeats 50
 
@@ -22,6 +22,9 @@ policy keeps two modules in FP32, and the hand-written steps keep the same two i
 Rounds are interleaved, the order of the rows rotating every round, so that load that drifts hits every row alike;
 the ratios are medians over rounds of each round's paired ratio (with a bootstrap interval for the headline one).
 ``--ab`` times the headline pair only, back to back and alternating, which a loaded machine disturbs less.
+``--watch`` (issue 36) times the controller's step without the watch against the same step with ``watch=True``
+(read every 10 steps, the default, and every step), each on its own copy of the model with one controller
+throughout, the three rotating every round: the watch's cost as a paired ratio.
 ``--count`` also counts, per step, the operators dispatched (those that are not views: about one kernel launch
 each on a GPU), the reads to the host (device syncs) and the tensors made from host data, with a counting
 ``TorchDispatchMode``: the CPU's proxy for what a launch-bound GPU step pays.
@@ -139,6 +142,45 @@ def _median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float
     return float(meds[int(0.025 * resamples)]), float(meds[int(0.975 * resamples) - 1])
 
 
+def watch_overhead(model, policy, batch, spec, policy_autocast, one, dev: str, repeats: int) -> None:
+    """controller.step without the watch, with watch=True (every 10 steps) and every step: three copies of the
+    model, one controller each throughout, rotating every round; medians of the per-round paired ratios."""
+    rows = {"plain": ("controller.step", {}), "every10": ("  + watch=True (watch_every=10)", {"watch": True}),
+            "every1": ("  + watch=True, watch_every=1", {"watch": True, "watch_every": 1})}
+    steps, keep = {}, []
+    for key, (_, kw) in rows.items():
+        m = copy.deepcopy(model)
+        handle = pa.apply_policy(m, policy, device_type=dev)
+        ctl = pa.controller(m, torch.optim.SGD(m.parameters(), lr=1e-4), policy, device=dev, **kw)
+        keep.append((handle, ctl))
+
+        def step(m=m, ctl=ctl):
+            with policy_autocast():
+                loss = spec(m(*batch.args), batch)
+            ctl.step(loss)
+        steps[key] = step
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    order = list(rows)
+    for r in range(repeats + 10):
+        rot = r % len(order)
+        for key in order[rot:] + order[:rot]:
+            t = one(steps[key])
+            if r >= 10:
+                times[key].append(t)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; residual MLP probe, {repeats} rotating "
+          f"rounds; {sum(1 for _ in model.modules())} modules")
+    # the watch costs on one step in N: the ratio of the rounds' total times (a median of per-round ratios would
+    # hide it), with the median of the per-round ratios beside it for the steps it does not read
+    for key, (label, _) in rows.items():
+        ratios = [a / b for a, b in zip(times[key], times["plain"])]
+        total = sum(times[key]) / sum(times["plain"])
+        print(f"{label:<38} mean {statistics.fmean(times[key]) * 1e3:>8.3f} ms  ratio of totals {total:.4f}x  "
+              f"(median per-round ratio {statistics.median(ratios):.4f}x)")
+    for handle, ctl in keep:
+        ctl.close()
+        handle.remove()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=300)
@@ -150,6 +192,11 @@ def main() -> None:
     ap.add_argument("--ab", action="store_true",
                     help="time only the baseline and apply_policy + controller.step, alternating (ABBA), with the "
                          "policy applied and one controller throughout: the headline ratio, less exposed to load")
+    ap.add_argument("--watch", action="store_true",
+                    help="time controller.step without and with watch=True (every 10 steps and every step), each "
+                         "on its own copy of the model, rotating: the watch's overhead as a paired ratio")
+    ap.add_argument("--native", action="store_true",
+                    help="with --watch on the CPU: torch's own CPU autocast instead of the emulated CUDA one")
     args = ap.parse_args()
     dev, dtype = args.device, DTYPES[args.format]
     model, source = load_model(str(ROOT / "bench" / "models" / "residual_mlp.py"))
@@ -181,6 +228,14 @@ def main() -> None:
         sync()
         return time.perf_counter() - t0
 
+    if args.watch:
+        if args.native:  # torch's own CPU autocast: no emulation layer around the watch's kernels
+            with contextlib.nullcontext():
+                watch_overhead(model, policy, batch, spec, lambda: pa.autocast(policy, "cpu"), one, dev, args.repeats)
+            return
+        with CudaAutocastPolicy() if dev == "cpu" else contextlib.nullcontext():
+            watch_overhead(model, policy, batch, spec, policy_autocast, one, dev, args.repeats)
+        return
     with CudaAutocastPolicy() if dev == "cpu" else contextlib.nullcontext():
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         hand = by_hand_model(model, "cuda" if dev == "cuda" else "cpu")

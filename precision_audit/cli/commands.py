@@ -112,6 +112,10 @@ register(Command(
     usage="precision-audit report AUDIT_JSON [--out DIR]",
     summary="re-render report.html from a saved audit.json (no model run)"))
 register(Command(
+    "diff", "precision_audit.cli.diff:diff_main",
+    usage="precision-audit diff A B [--json]",
+    summary="the layers whose plan, error (beyond the noise floor) or headroom changed between two audit.json files"))
+register(Command(
     "export", "precision_audit.cli.export:export_main",
     usage="precision-audit export POLICY --to deepspeed|lightning|accelerate|fsdp|torchao|torchtitan [--out FILE]",
     summary="the policy as another stack's precision settings"))

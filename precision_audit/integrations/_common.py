@@ -145,6 +145,11 @@ def training_policy(policy: Any, model: torch.nn.Module) -> Any:
     return dataclasses.replace(policy, modules={**extra, **policy.modules})
 
 
+def trainer_policy(policy: Any, fmt: str) -> Any:
+    """``policy`` as the trainer runs the model when the policy is not applied: every module in ``fmt``."""
+    return dataclasses.replace(policy, default_format=fmt, modules={})
+
+
 def apply_for_training(policy: Any, model: torch.nn.Module) -> Any:
     """Put the model under ``policy`` for the rest of training; returns the handle (``.remove()`` undoes it)."""
     from ..runtime.api import apply_policy
@@ -153,3 +158,103 @@ def apply_for_training(policy: Any, model: torch.nn.Module) -> Any:
     log.info("precision-audit: training goes on under the policy (%d module(s) overridden, default %s)",
              len(handle.modules), policy.default_format)
     return handle
+
+
+class RunWatch:
+    """What ``watch=True`` and ``audit_every=K`` add to a trainer callback (docs/integrations.md, "Over the run").
+
+    The watch (precision_audit/runtime/watch.py) records on the trainer's steps as the controller's does: armed before
+    a watched step, read once at its end (the trainer has synchronised there already for its own logging). The
+    trainer keeps its own loss scaling, so gradient amaxes are recorded as the backward saw them (scaled, when the
+    trainer scales the loss) and no loss-scale forecast is made; promotions change the applied policy
+    (``apply_policy=True``; without it they are forecast and logged, not applied). Re-audits run on the first
+    training batch (kept for that: each audit of the run sees the same inputs) into ``<out>/step-<N>/``, every
+    ``audit_every`` steps and at each checkpoint save; ``<out>/watch.json`` is written at the end of training.
+    """
+
+    def __init__(self, watch: bool, audit_every: int, watch_options: Mapping[str, Any]) -> None:
+        if not isinstance(watch, bool):
+            raise OptionError("watch must be True or False", found=repr(watch))
+        if not (isinstance(audit_every, int) and not isinstance(audit_every, bool) and audit_every >= 0):
+            raise OptionError("audit_every must be an integer >= 0 (0: no re-audits)", found=repr(audit_every))
+        from ..runtime.watch import Watch
+
+        Watch([], **watch_options)  # the options checked when the callback is made
+        self.on, self.audit_every, self.options = watch, audit_every, dict(watch_options)
+        self.watch: Any = None
+        self.batch: Any = None
+        self.audited: set[int] = set()
+
+    def start(self, model: torch.nn.Module, batch: Any) -> None:
+        from ..policy import named_modules, unwrap_model
+        from ..runtime.watch import Watch
+
+        self.batch = batch
+        if self.on and self.watch is None:
+            self.watch = Watch(list(named_modules(unwrap_model(model))), **self.options)  # armed: step 1
+
+    def begin_step(self, step: int) -> None:
+        if self.watch is not None:
+            self.watch.arm(step)
+
+    def end_step(self, step: int, device: torch.device, handle: Any, trainer_policy: Any) -> Any:
+        """Read the step's values (a watched step), refresh the forecasts, apply promotions to ``handle``'s policy
+        (without one, forecast against ``trainer_policy``, the formats the trainer runs, and apply nothing); returns
+        the handle."""
+        w = self.watch
+        if w is None:
+            return handle
+        vec = w.pending(device)
+        if vec is None:
+            return handle
+        from ..runtime.watch import apply_due, describe
+
+        policy = handle.policy if handle is not None else trainer_policy
+        due = w.record(step, vec.tolist(), policy, None)
+        if due and handle is None:
+            for d in due:
+                log.warning("precision-audit watch: %s", describe(d["module"], d["format"], d["kind"], d["forecast"],
+                                                                  step))
+        elif due:
+            new, _ = apply_due(w, due, policy, None, step)
+            if new is not policy:
+                handle._reapply(new)
+        return handle
+
+    def reaudit(self, model: torch.nn.Module, step: int, out: Path, audit_kwargs: dict[str, Any],
+                handle: Any) -> Any:
+        """Audit the model on the first batch into ``out/step-<step>/`` (once per step); the applied policy comes off
+        for the audit (its FP32 reference must be plain FP32) and back on after. Returns the handle."""
+        if self.batch is None or step in self.audited:
+            return handle
+        self.audited.add(step)
+        armed = self.watch is not None and self.watch.armed
+        if self.watch is not None:
+            self.watch._armed = False
+        policy = handle.policy if handle is not None else None
+        if handle is not None:
+            handle.remove()
+        try:
+            run_audit_on(model, self.batch, out / f"step-{step}", audit_kwargs)
+        finally:
+            if policy is not None:
+                from ..runtime.api import apply_policy
+
+                handle = apply_policy(model, policy)
+            if self.watch is not None:
+                self.watch._armed = armed
+        return handle
+
+    def finish(self, out: Path) -> None:
+        if self.watch is None:
+            return
+        import json
+
+        from ..policy.io import write_text_atomic
+        from ..runtime.controller import WATCH_SCHEMA_ID
+
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "watch.json", json.dumps({"schema": WATCH_SCHEMA_ID, "version": 1,
+                                                          **self.watch.to_dict()}, indent=1, allow_nan=False))
+        self.watch.remove()
+        self.watch = None

@@ -26,7 +26,14 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from ..errors import OptionError
-from ._common import apply_for_training, check_against_trainer, check_audit_kwargs, run_audit_on
+from ._common import (
+    RunWatch,
+    apply_for_training,
+    check_against_trainer,
+    check_audit_kwargs,
+    run_audit_on,
+    trainer_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +47,24 @@ class PrecisionAuditCallback(Callback):
     ``out`` overrides the output folder; ``audit_kwargs`` go to :func:`precision_audit.audit`. After the first
     batch ``.result`` holds the audit's result, ``.handle`` the applied policy's handle and ``.notes`` the
     warnings about the trainer's precision.
+
+    Over the run (docs/integrations.md, "Over the run"): ``watch``, ``watch_every``, ``horizon``,
+    ``min_confidence``, ``watch_writer`` and ``audit_every`` as the Hugging Face callback's; re-audits and the
+    watch log go to ``<out>/step-<N>/`` and ``<out>/watch.json``.
     """
 
-    def __init__(self, apply_policy: bool = False, out: str | Path | None = None, **audit_kwargs: Any) -> None:
+    def __init__(self, apply_policy: bool = False, out: str | Path | None = None, *, watch: bool = False,
+                 audit_every: int = 0, watch_every: int = 10, horizon: int = 200, min_confidence: float = 0.9,
+                 watch_writer: Any = None, **audit_kwargs: Any) -> None:
         if not isinstance(apply_policy, bool):
             raise OptionError("apply_policy must be True or False", found=repr(apply_policy))
         self.apply_policy = apply_policy
         self.out = Path(out) if out is not None else None
         self.audit_kwargs = check_audit_kwargs(audit_kwargs, "PrecisionAuditCallback")
+        self.run = RunWatch(watch, audit_every, {"every": watch_every, "horizon": horizon,
+                                                 "min_confidence": min_confidence, "writer": watch_writer})
+        self._out: Path | None = None
+        self._trainer_policy: Any = None
         self.result: Any = None
         self.handle: Any = None
         self.notes: list[str] = []
@@ -55,6 +72,7 @@ class PrecisionAuditCallback(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._done:
+            self.run.begin_step(trainer.global_step + 1)
             return
         self._done = True
         if trainer.global_rank != 0:
@@ -67,8 +85,27 @@ class PrecisionAuditCallback(Callback):
         self.notes = check_against_trainer(self.result.policy, fmt, f"precision={precision!r}", self.apply_policy)
         if self.apply_policy:
             self.handle = apply_for_training(self.result.policy, pl_module)
+        self._out = out
+        self._trainer_policy = trainer_policy(self.result.policy, fmt)
+        self.run.start(pl_module, batch)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._out is None:
+            return
+        step = trainer.global_step
+        device = next((p.device for p in pl_module.parameters()), None)
+        if device is not None:
+            self.handle = self.run.end_step(step, device, self.handle, self._trainer_policy)
+        if self.run.audit_every and step % self.run.audit_every == 0:
+            self.handle = self.run.reaudit(pl_module, step, self._out, self.audit_kwargs, self.handle)
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if self._out is not None and (self.run.on or self.run.audit_every):
+            self.handle = self.run.reaudit(pl_module, trainer.global_step, self._out, self.audit_kwargs, self.handle)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._out is not None:
+            self.run.finish(self._out)
         if self.handle is not None:
             self.handle.remove()
 

@@ -42,7 +42,15 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ._common import apply_for_training, check_against_trainer, check_audit_kwargs, run_audit_on, trainer_format
+from ._common import (
+    RunWatch,
+    apply_for_training,
+    check_against_trainer,
+    check_audit_kwargs,
+    run_audit_on,
+    trainer_format,
+    trainer_policy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +64,28 @@ class PrecisionAuditCallback(TrainerCallback):
     ``audit_kwargs`` go to :func:`precision_audit.audit` (``loss_fn``, ``target``, ``formats``, ``budget``,
     ``steps``, ``progress``, ...). After training starts, ``.result`` holds the audit's result, ``.handle`` the
     applied policy's handle and ``.notes`` the warnings about the Trainer's precision flags.
+
+    Over the run (docs/integrations.md, "Over the run"): ``watch=True`` watches each module's amax and fp16
+    underflow every ``watch_every`` steps, forecasts the first overflow and, with ``apply_policy=True``, promotes a
+    module ``horizon`` steps ahead at ``min_confidence`` (``watch_writer``: a TensorBoard SummaryWriter);
+    ``audit_every=K`` re-audits the first batch every K steps, and every checkpoint save re-audits too, into
+    ``<output_dir>/precision-audit/step-<N>/``; ``.run.watch`` is the watch.
     """
 
-    def __init__(self, apply_policy: bool = False, **audit_kwargs: Any) -> None:
+    def __init__(self, apply_policy: bool = False, *, watch: bool = False, audit_every: int = 0,
+                 watch_every: int = 10, horizon: int = 200, min_confidence: float = 0.9, watch_writer: Any = None,
+                 **audit_kwargs: Any) -> None:
         if not isinstance(apply_policy, bool):
             from ..errors import OptionError
 
             raise OptionError("apply_policy must be True or False", found=repr(apply_policy))
         self.apply_policy = apply_policy
         self.audit_kwargs = check_audit_kwargs(audit_kwargs, "PrecisionAuditCallback")
+        self.run = RunWatch(watch, audit_every, {"every": watch_every, "horizon": horizon,
+                                                 "min_confidence": min_confidence, "writer": watch_writer})
+        self._out: Path | None = None
+        self._model: torch.nn.Module | None = None
+        self._trainer_policy: Any = None
         self.result: Any = None
         self.handle: Any = None
         self.notes: list[str] = []
@@ -92,12 +113,24 @@ class PrecisionAuditCallback(TrainerCallback):
         self._audit_call = functools.partial(self._audit, model, out, fmt, flag)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.run.begin_step(state.global_step + 1)
         # the step's batch is fetched and collated by now: a failure there left nothing to undo
         if self._audit_call is not None and self._restore is None and self.result is None:
             self._restore = _first_training_forward(self._audit_call.args[0], self._audit_call)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._put_back()  # a step that ran no training forward: the next step's on_step_begin wraps again
+        model = self._model
+        if model is None:
+            return
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.handle = self.run.end_step(state.global_step, device, self.handle, self._trainer_policy)
+        if self.run.audit_every and state.global_step % self.run.audit_every == 0 and self._out is not None:
+            self.handle = self.run.reaudit(model, state.global_step, self._out, self.audit_kwargs, self.handle)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._model is not None and self._out is not None and (self.run.on or self.run.audit_every):
+            self.handle = self.run.reaudit(self._model, state.global_step, self._out, self.audit_kwargs, self.handle)
 
     def _audit(self, model: torch.nn.Module, out: Path, fmt: str, flag: str, batch: Any) -> None:
         self._restore = self._audit_call = None
@@ -105,6 +138,9 @@ class PrecisionAuditCallback(TrainerCallback):
         self.notes = check_against_trainer(self.result.policy, fmt, flag, self.apply_policy)
         if self.apply_policy:
             self.handle = apply_for_training(self.result.policy, model)
+        self._out, self._model = out, model
+        self._trainer_policy = trainer_policy(self.result.policy, fmt)
+        self.run.start(model, batch)
 
     def _put_back(self) -> None:
         if self._restore is not None:
@@ -114,6 +150,8 @@ class PrecisionAuditCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._put_back()  # training ended before any training forward
         self._audit_call = None
+        if self._out is not None:
+            self.run.finish(self._out)
         if self.handle is not None:
             self.handle.remove()
 

@@ -48,13 +48,17 @@ def controller(model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy:
                adaptive: bool = False, promote_after: int = 3, device: str | torch.device | None = None,
                max_grad_norm: float | None = None, process_group: Any = None, strict: bool = True,
                monitor: StabilityMonitor | None = None, spike_window: int = 50, spike_factor: float = 3.0,
-               attribute: bool = True) -> PrecisionController:
+               attribute: bool = True, watch: bool = False, watch_every: int = 10, horizon: int = 200,
+               min_confidence: float = 0.9, watch_writer: Any = None) -> PrecisionController:
     """A :class:`~precision_audit.runtime.PrecisionController` whose ``step(loss)`` does the scaled backward,
     unscale, non-finite check (skipping any step with a non-finite gradient), optimizer step and scaler
     update, and feeds the stability monitor.
 
     ``adaptive=True`` promotes a module to fp32 when it starts non-finite values for ``promote_after``
-    consecutive steps. The other arguments are :class:`~precision_audit.runtime.PrecisionController`'s.
+    consecutive steps. ``watch=True`` records per-module amax every ``watch_every`` steps, forecasts when a
+    format's limit would be crossed and promotes the module (or lowers the loss scale) ``horizon`` steps ahead
+    (docs/policy.md, "Watch and forecast"). The other arguments are
+    :class:`~precision_audit.runtime.PrecisionController`'s.
     Example::
 
         ctl = pa.controller(model, optimizer, policy, adaptive=True)
@@ -65,4 +69,6 @@ def controller(model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy:
     return PrecisionController(policy, model, optimizer, adaptive=adaptive, promote_after=promote_after,
                                device=device, max_grad_norm=max_grad_norm, process_group=process_group,
                                strict=strict, monitor=monitor, spike_window=spike_window,
-                               spike_factor=spike_factor, attribute=attribute)
+                               spike_factor=spike_factor, attribute=attribute, watch=watch,
+                               watch_every=watch_every, horizon=horizon, min_confidence=min_confidence,
+                               watch_writer=watch_writer)

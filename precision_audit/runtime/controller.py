@@ -68,6 +68,8 @@ the first compiled forward, since hooks added to already-compiled code are not t
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -78,6 +80,7 @@ from torch.amp.grad_scaler import OptState
 
 from ..errors import OptionError
 from ..policy import Policy, named_modules, save_policy, unwrap_model
+from ..policy.io import write_text_atomic
 from .apply import (
     _ACTIVE,
     LOW_PRECISION_DTYPES,
@@ -91,12 +94,15 @@ from .attribution import OUTSIDE_THE_MODEL, Attribution, _is_dtensor, _local, _R
 from .backward_tf32 import CONTROLLED
 from .monitor import StabilityMonitor, StepRecord
 from .readout import Readout
+from .watch import Watch, apply_due, make_watch
 
 log = logging.getLogger(__name__)
 
 #: A gradient overflow in backward counts towards promotion only once the loss scale is this low: above it,
 #: the GradScaler backs off and the overflow goes away by itself.
 BACKWARD_SOURCE_MAX_SCALE = 1.0
+#: The schema id of a watch log (controller.save_watch).
+WATCH_SCHEMA_ID = "precision-audit/watch"
 
 #: The name under which gradients of optimizer parameters that are not the model's are reported.
 
@@ -133,13 +139,18 @@ class PrecisionController:
     :class:`StabilityMonitor` to use) or ``spike_window`` / ``spike_factor`` (to configure a new one),
     ``attribute`` (default True: forward hooks that name the source of a non-finite step; False saves their
     cost on clean steps, and skipped steps are then still skipped and counted, without a source).
+    ``watch`` (default False): record per-module amax and fp16 underflow every ``watch_every`` steps (default 10),
+    forecast when a format's limit is crossed and act ``horizon`` steps (default 200) ahead when the forecast's
+    confidence is at least ``min_confidence`` (default 0.9); ``watch_writer`` (a TensorBoard ``SummaryWriter``)
+    gets the series as scalars (runtime/watch.py; docs/policy.md, "Watch and forecast").
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  adaptive: bool = False, promote_after: int = 3, device: str | torch.device | None = None,
                  max_grad_norm: float | None = None, process_group: Any = None, strict: bool = True,
                  monitor: StabilityMonitor | None = None, spike_window: int = 50,
-                 spike_factor: float = 3.0, attribute: bool = True) -> None:
+                 spike_factor: float = 3.0, attribute: bool = True, watch: bool = False, watch_every: int = 10,
+                 horizon: int = 200, min_confidence: float = 0.9, watch_writer: Any = None) -> None:
         if not isinstance(policy, Policy):
             raise OptionError("the controller needs a Policy", found=type(policy).__name__)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -205,6 +216,8 @@ class PrecisionController:
                 self._probe = _SourceProbe(modules, backward=adaptive)
             else:
                 self._probe = _ReplayProbe(self.root, modules)
+        self.watch: Watch | None = make_watch(watch, modules, every=watch_every, horizon=horizon,
+                                              min_confidence=min_confidence, writer=watch_writer)
         CONTROLLED[self.root] = policy_tf32(policy)  # step() sets these for the backward (runtime/backward_tf32.py)
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
@@ -227,8 +240,19 @@ class PrecisionController:
         return self._skipped
 
     def save_policy(self, path: str | os.PathLike[str]) -> None:
-        """Write :attr:`policy` (with any promotions) to ``path`` atomically."""
-        save_policy(self._policy, path)
+        """Write :attr:`policy` (with any promotions) to ``path`` atomically; with ``watch=True`` the watch's
+        record (series, forecasts, actions) goes with it under the top-level key ``"watch"``."""
+        policy = self._policy
+        if self.watch is not None:
+            policy = dataclasses.replace(policy, extra={**policy.extra, "watch": self.watch.to_dict()})
+        save_policy(policy, path)
+
+    def save_watch(self, path: str | os.PathLike[str]) -> None:
+        """Write the watch's record alone as JSON (``precision-audit report`` renders it as a timeline)."""
+        if self.watch is None:
+            raise OptionError("save_watch needs a controller made with watch=True", found="watch=False")
+        write_text_atomic(path, json.dumps({"schema": WATCH_SCHEMA_ID, "version": 1, "model": self._policy.model_class,
+                                            **self.watch.to_dict()}, indent=1, allow_nan=False))
 
     def close(self) -> None:
         """Remove the controller's hooks (and a handle it applied itself). The scaler stays usable; later steps
@@ -239,6 +263,8 @@ class PrecisionController:
         if self._own_handle is not None:
             self._own_handle.remove()
             self._own_handle = None
+        if self.watch is not None:
+            self.watch.remove()
         CONTROLLED.pop(self.root, None)
 
     def step(self, loss: torch.Tensor) -> StepRecord:
@@ -272,6 +298,8 @@ class PrecisionController:
         finally:
             if self._probe is not None:
                 self._probe.clear()
+            if self.watch is not None:
+                self.watch.arm(self._step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         if skip:
             self._skipped += 1
@@ -281,6 +309,8 @@ class PrecisionController:
             sources = ((attribution.source,) if attribution.source is not None else ()) + tuple(
                 n for n in attribution.backward if n != attribution.source)
         promoted = self._adapt(attribution) if self.adaptive else ()
+        if self.watch is not None and "watch" in seen:
+            promoted += self._act(seen["watch"], scale_used)
         return self.monitor.observe(step=self._step, loss=loss_v, scale=scale_used, skipped=skip,
                                     grad_norm=norm_v, nonfinite_modules=nonfinite, sources=sources,
                                     promoted=promoted,
@@ -307,6 +337,9 @@ class PrecisionController:
         found_infs = self._found_infs()
         if found_infs:
             readout.add("scale", self.scaler._scale)  # type: ignore[arg-type]  # the scale this step used
+        watched = self.watch.pending(dev) if self.watch is not None else None
+        if watched is not None:
+            readout.add("watch", self._reduce_watch(watched))
         if self._distributed():
             import torch.distributed as dist
 
@@ -474,6 +507,30 @@ class PrecisionController:
         if promoted:
             self._set_policy(policy)
         return tuple(promoted)
+
+    def _reduce_watch(self, v: torch.Tensor) -> torch.Tensor:
+        """Across ranks: the amaxes maxed, the underflow counts summed (runtime/watch.py's layout)."""
+        if not self._distributed():
+            return v
+        import torch.distributed as dist
+
+        m = v.numel() // 3
+        amax, small = v[:2 * m].nan_to_num(nan=-1.0), v[2 * m:].nan_to_num(nan=0.0)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.process_group)
+        dist.all_reduce(small, op=dist.ReduceOp.SUM, group=self.process_group)
+        return torch.cat([torch.where(amax < 0, torch.full_like(amax, math.nan), amax), small])
+
+    def _act(self, values: Any, scale: float | None) -> tuple[str, ...]:
+        """Record the watch's reading, refresh its forecasts and carry out what is due (runtime/watch.py)."""
+        assert self.watch is not None
+        vals = values if isinstance(values, list) else [values]
+        due = self.watch.record(self._step, vals, self._policy, scale)
+        if not due:
+            return ()
+        policy, promoted = apply_due(self.watch, due, self._policy, self.scaler, self._step)
+        if policy is not self._policy:
+            self._set_policy(policy)
+        return promoted
 
     def _set_policy(self, policy: Policy) -> None:
         self._policy = policy

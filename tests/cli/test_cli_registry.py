@@ -22,7 +22,7 @@ from precision_audit.cli import commands as registry
 from precision_audit.cli.commands import AUDIT, Command, find, register
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # the repository
-EXPECTED = {"targets", "verify", "report", "export", "build-kernels"}
+EXPECTED = {"targets", "verify", "report", "diff", "export", "build-kernels"}
 
 #: What the ``boom`` command raises (set by each test).
 _RAISE: list[BaseException] = []

@@ -1,0 +1,386 @@
+"""The watch: per-module headroom over a training run, its forecast, and the action taken before the limit
+(docs/policy.md, "Watch and forecast").
+
+``controller(..., watch=True)`` makes a :class:`Watch`. On every ``watch_every``-th step (the first step, then
+every N-th) a forward hook on each watched module (every module with parameters of its own) takes the amax of
+its output (one ``vector_norm(inf)`` kernel, kept as a 0-d device tensor: the running max over the step's calls)
+and a tensor hook on that output takes the amax of the gradient arriving there and, for a module running in
+fp16, how many of the gradient's elements are nonzero but below fp16's normal range (2^-14): the share that
+keeps fewer bits at the current loss scale (the gradient in backward is the scaled one). Nothing is read in the
+hooks. The controller puts the stacked values into the step's one device read (runtime/readout.py), so a watched
+step costs those kernels and no extra synchronisation; the other steps cost one Python check per module call.
+
+Each reading is added to a compact per-module series (the last ``history`` readings: step, output amax, unscaled
+gradient amax, fp16 underflow share) and, with a ``writer`` (a ``torch.utils.tensorboard.SummaryWriter``),
+written as TensorBoard scalars on the step axis. Then the forecast (runtime/forecast.py) is refreshed, per
+module and per format it runs in (or ran in before a promotion):
+
+- ``activation``: log2 of the output amax against log2 of the format's largest finite value;
+- ``gradient``: log2 of the scaled gradient amax (unscaled amax x the current loss scale) against fp16's
+  largest value, for fp16 modules under a GradScaler;
+- ``underflow``: the fp16 underflow share against :data:`UNDERFLOW_LIMIT`.
+
+When a forecast puts the crossing within ``horizon`` steps with at least ``min_confidence``, the watch acts: an
+fp16 module overflowing or underflowing is promoted to bf16 when the policy's target has it (compute capability
+8.0 or later), else to fp32; a bf16 module to fp32; a scaled gradient heading for fp16's maximum lowers the
+loss scale (one backoff) and, the first time, slows its growth (the growth interval x4). The reason quotes the
+forecast; the controller records it in its copy of the policy (``controller.policy``) and logs it at WARNING.
+
+Example::
+
+    ctl = pa.controller(model, optimizer, policy, watch=True, watch_every=10, horizon=200)
+    ...
+    ctl.watch.forecasts[("head", "fp16", "activation")].step   # the step the head's output would pass 65504
+    ctl.save_watch("run/watch.json")                             # the series, forecasts and actions
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import OptionError
+from ..formats import SPECS, Format
+from ..policy import Policy
+from .forecast import Crossing, fit_crossing
+
+log = logging.getLogger(__name__)
+
+#: The share of an fp16 gradient's elements below the normal range that counts as an underflow problem: the
+#: audit's own threshold for a viable loss scale (docs/policy.md, "Watch and forecast").
+UNDERFLOW_LIMIT = 1e-2
+#: fp16's smallest normal value: gradient elements below it (and nonzero) are subnormal at the loss scale used.
+FP16_NORMAL = 2.0 ** -14
+#: Readings a forecast fits (the recent trend).
+DEFAULT_WINDOW = 32
+#: The fewest readings a forecast must fit before the watch acts on it (a shorter series is forecast and logged):
+#: six noisy readings can show a slope that is not there (docs/policy.md, "Watch and forecast").
+ACT_MIN_POINTS = 10
+#: Forecast records kept (each a crossing within this many horizons).
+LOG_HORIZONS = 5
+_PROMOTE = {"fp16": "bf16", "bf16": "fp32"}
+
+
+def format_max(fmt: str) -> float | None:
+    """The largest finite value of a low-precision format (None for fp32 / tf32: not watched)."""
+    if fmt in ("fp32", "tf32"):
+        return None
+    return float(SPECS[Format(fmt)].max)
+
+
+@dataclass(frozen=True)
+class Action:
+    """What the watch changed, at which step, and why (the forecast quoted)."""
+
+    step: int
+    module: str
+    kind: str  # "promote" | "loss_scale"
+    change: str  # e.g. "fp16 -> bf16", "scale 65536 -> 32768, growth interval 2000 -> 8000"
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "module": self.module, "kind": self.kind, "change": self.change,
+                "reason": self.reason}
+
+
+class Watch:
+    """The per-module recorder, forecaster and planner of actions (module docstring)."""
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]], *, every: int = 10, horizon: int = 200,
+                 min_confidence: float = 0.9, window: int = DEFAULT_WINDOW, history: int = 1000,
+                 writer: Any = None) -> None:
+        if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+            raise OptionError("watch_every must be an integer >= 1", found=repr(every))
+        if not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1):
+            raise OptionError("horizon must be an integer number of steps >= 1", found=repr(horizon))
+        if not (isinstance(min_confidence, (int, float)) and 0 < min_confidence < 1):
+            raise OptionError("min_confidence must be a probability strictly between 0 and 1",
+                              found=repr(min_confidence))
+        if writer is not None and not callable(getattr(writer, "add_scalar", None)):
+            raise OptionError("watch_writer must have add_scalar(tag, value, step) (a SummaryWriter)",
+                              found=type(writer).__name__)
+        self.every, self.horizon, self.min_confidence, self.window = every, horizon, float(min_confidence), window
+        self.writer = writer
+        self.names = [n for n, m in modules if any(True for _ in m.parameters(recurse=False))]
+        index = {n: i for i, n in enumerate(self.names)}
+        self._out: list[torch.Tensor | None] = [None] * len(self.names)
+        self._grad: list[torch.Tensor | None] = [None] * len(self.names)
+        self._small: list[torch.Tensor | None] = [None] * len(self.names)
+        self._total = [0] * len(self.names)
+        self._armed = True  # step 1 is read
+        self._handles = [m.register_forward_hook(self._forward_hook(index[n])) for n, m in modules if n in index]
+        self.series: dict[str, dict[str, collections.deque[float]]] = {
+            n: {k: collections.deque(maxlen=history) for k in ("step", "output", "gradient", "underflow")}
+            for n in self.names}
+        self.ran_in: dict[str, list[str]] = {n: [] for n in self.names}  # formats seen, in order
+        self.forecasts: dict[tuple[str, str, str], Crossing] = {}
+        self.log: list[dict[str, Any]] = []
+        self.actions: list[Action] = []
+        self.readings = 0
+
+    # -- recording (device side) -----------------------------------------------------------------------------
+
+    def _forward_hook(self, k: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if not self._armed or not torch.is_grad_enabled():
+                return
+            t = _first_float(out)
+            if t is None:
+                return
+            d = t.detach()
+            if not d.numel():
+                return
+            amax = torch.linalg.vector_norm(d, ord=math.inf, dtype=torch.float32)  # one kernel, read in fp32
+            prev = self._out[k]
+            self._out[k] = amax if prev is None else torch.maximum(prev, amax)
+            if t.requires_grad:
+                t.register_hook(self._grad_hook(k))
+        return hook
+
+    def _grad_hook(self, k: int) -> Callable[[torch.Tensor], None]:
+        def hook(g: torch.Tensor) -> None:
+            if not g.numel():
+                return
+            amax = torch.linalg.vector_norm(g, ord=math.inf, dtype=torch.float32)
+            prev = self._grad[k]
+            self._grad[k] = amax if prev is None else torch.maximum(prev, amax)
+            if g.dtype == torch.float16:
+                a = g.abs()
+                small = ((a < FP16_NORMAL) & (a > 0)).sum().float()
+                prev_s = self._small[k]
+                self._small[k] = small if prev_s is None else prev_s + small
+                self._total[k] += g.numel()
+        return hook
+
+    def arm(self, next_step: int) -> None:
+        """Arm the hooks for ``next_step`` (1-based) when it is a watched step: the first, then every N-th."""
+        self._armed = (next_step - 1) % self.every == 0
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    def pending(self, device: torch.device) -> torch.Tensor | None:
+        """The step's values as one device vector [output amax (M), gradient amax (M), small counts (M)] (NaN where
+        a module did not run), for the controller's one read; disarms the hooks. None on an unwatched step."""
+        if not self._armed:
+            return None
+        self._armed = False
+        nan = torch.full((), math.nan, device=device)
+        vals = [v.to(device) if v is not None else nan for v in (*self._out, *self._grad, *self._small)]
+        return torch.stack(vals) if vals else None
+
+    def clear(self) -> None:
+        m = len(self.names)
+        self._out, self._grad, self._small, self._total = [None] * m, [None] * m, [None] * m, [0] * m
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._armed = False
+
+    # -- the series, the forecasts, the actions (host side) ---------------------------------------------------
+
+    def record(self, step: int, values: list[float], policy: Policy, scale: float | None) -> list[dict[str, Any]]:
+        """Add one reading (``values`` from :meth:`pending`, read by the controller) and refresh the forecasts;
+        returns the changes due (dicts for the controller to apply: see :meth:`_due`)."""
+        m = len(self.names)
+        totals = self._total
+        self.clear()
+        self.readings += 1
+        unscale = scale if scale and scale > 0 else 1.0
+        for i, name in enumerate(self.names):
+            out, grad, small = values[i], values[m + i], values[2 * m + i]
+            if math.isnan(out) and math.isnan(grad):
+                continue  # the module did not run this step
+            s = self.series[name]
+            s["step"].append(step)
+            s["output"].append(out)
+            s["gradient"].append(grad / unscale)
+            s["underflow"].append(small / totals[i] if totals[i] else math.nan)
+            fmt = policy.effective_format(name)
+            if fmt not in self.ran_in[name]:
+                self.ran_in[name].append(fmt)
+            self._write(name, step, out, grad / unscale, s["underflow"][-1])
+        return self._refresh(step, policy, scale)
+
+    def _write(self, name: str, step: int, out: float, grad: float, under: float) -> None:
+        if self.writer is None:
+            return
+        tag = name or "(root)"
+        for key, v in (("output_amax_log2", _log2(out)), ("gradient_amax_log2", _log2(grad)),
+                       ("fp16_underflow_share", under)):
+            if math.isfinite(v):
+                self.writer.add_scalar(f"watch/{tag}/{key}", v, step)
+
+    def _refresh(self, step: int, policy: Policy, scale: float | None) -> list[dict[str, Any]]:
+        due: list[dict[str, Any]] = []
+        for name in self.names:
+            s = self.series[name]
+            if len(s["step"]) < 2:
+                continue
+            steps = list(s["step"])[-self.window:]
+            for fmt in self.ran_in[name]:
+                for kind, limit, vals, rising in self._targets(name, fmt, s, scale):
+                    fc = fit_crossing(steps, vals[-self.window:], limit=limit, now=step, horizon=self.horizon,
+                                      rising=rising)
+                    if fc is None:
+                        continue
+                    key = (name, fmt, kind)
+                    self.forecasts[key] = fc
+                    if fc.step is not None and fc.step - step <= LOG_HORIZONS * self.horizon:
+                        self.log.append({"at": step, "module": name, "format": fmt, "kind": kind, **fc.to_dict()})
+                        if self.writer is not None:
+                            self.writer.add_scalar(f"watch/{name or '(root)'}/{fmt}_{kind}_steps_left",
+                                                   fc.step - step, step)
+                    if fmt == policy.effective_format(name) and self._acts(fc, step):
+                        due.append({"module": name, "format": fmt, "kind": kind, "forecast": fc})
+        return due
+
+    def _targets(self, name: str, fmt: str, s: dict[str, collections.deque[float]],
+                 scale: float | None) -> list[tuple[str, float, list[float], bool]]:
+        """(kind, limit, series, rising) to forecast for ``name`` in ``fmt``."""
+        top = format_max(fmt)
+        if top is None:
+            return []
+        out = [_log2(v) for v in s["output"]]
+        targets = [("activation", math.log2(top), out, True)]
+        if fmt == "fp16":
+            if scale is not None and scale > 0:
+                grad = [_log2(v) + math.log2(scale) for v in s["gradient"]]
+                targets.append(("gradient", math.log2(top), grad, True))
+            if any(math.isfinite(v) for v in s["underflow"]):
+                # the share's logarithm: a gradient shrinking by a steady factor moves its distribution's tail
+                # past 2^-14 at a roughly exponential rate (the share itself bends upwards)
+                targets.append(("underflow", math.log2(UNDERFLOW_LIMIT), [_log2(v) for v in s["underflow"]], True))
+        return targets
+
+    def _acts(self, fc: Crossing, step: int) -> bool:
+        """Act on a crossing ahead (from this reading to ``horizon`` steps on) at the confidence asked, on a fit of
+        at least :data:`ACT_MIN_POINTS` readings. A line that has crossed already describes either a series beyond
+        the limit (a standing condition: the audit's and the reactive fallback's to judge) or readings the line no
+        longer follows (a trend that bent back): neither is a forecast."""
+        return (fc.step is not None and fc.points >= ACT_MIN_POINTS and step <= fc.step <= step + self.horizon
+                and fc.confidence >= self.min_confidence)
+
+    def promotion(self, name: str, fmt: str, kind: str, fc: Crossing, step: int,
+                  bf16_ok: bool) -> tuple[str, str] | None:
+        """(new format, reason) for a module whose ``kind`` forecast crosses within the horizon, or None."""
+        to = _PROMOTE.get(fmt)
+        if to == "bf16" and not bf16_ok:
+            to = "fp32"
+        if to is None:
+            return None
+        return to, f"promoted from {fmt} to {to} by the watch at step {step}: {describe(name, fmt, kind, fc, step)}"
+
+    def note(self, action: Action) -> None:
+        self.actions.append(action)
+        log.warning("watch: %s %s at step %d: %s", action.module or "(root)", action.change, action.step,
+                    action.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The watch's record as JSON-ready data: the options, the series (4 significant digits), the forecasts
+        logged (crossings within a few horizons) and the actions."""
+        return {
+            "every": self.every, "horizon": self.horizon, "min_confidence": self.min_confidence,
+            "window": self.window, "readings": self.readings,
+            "modules": {n: {"formats": list(self.ran_in[n]),
+                            **{k: [_short(v) for v in s[k]] for k in ("step", "output", "gradient", "underflow")}}
+                        for n, s in self.series.items() if s["step"]},
+            "forecasts": self.log[-2000:],
+            "actions": [a.to_dict() for a in self.actions],
+        }
+
+
+def make_watch(on: bool, modules: list[tuple[str, torch.nn.Module]], **options: Any) -> Watch | None:
+    """The controller's watch: a :class:`Watch` when ``on`` (its options checked), else None."""
+    if not isinstance(on, bool):
+        raise OptionError("watch must be True or False", found=repr(on))
+    return Watch(modules, **options) if on else None
+
+
+def describe(name: str, fmt: str, kind: str, fc: Crossing, step: int) -> str:
+    """The forecast in words, for a reason and the log."""
+    what = {"activation": "its output amax", "gradient": "its scaled output-gradient amax",
+            "underflow": "the share of its fp16 output gradient below the normal range"}[kind]
+    limit = (f"fp16's underflow limit {UNDERFLOW_LIMIT:g}" if kind == "underflow"
+             else f"{fmt}'s largest value {format_max(fmt):g}")
+    trend = f"{100 * (2 ** fc.slope - 1):+.2f}% per step"
+    assert fc.step is not None
+    span = (f", 95% interval {fc.low:.0f}-{fc.high:.0f}" if fc.low is not None and fc.high is not None
+            else f", 95% interval from {fc.low:.0f}" if fc.low is not None else "")
+    when = (f"{fc.step - step:.0f} steps ahead" if fc.step >= step else
+            "crossed on the fitted line since the last readings")
+    return (f"{what} moves {trend} (robust fit of {fc.points} readings); forecast to pass {limit} at step "
+            f"{fc.step:.0f}{span}, {when} (confidence {fc.confidence:.2f} within the horizon)")
+
+
+def _first_float(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v
+    if isinstance(out, dict):
+        for v in out.values():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v
+    return None
+
+
+def _log2(v: float) -> float:
+    return math.log2(v) if v > 0 and math.isfinite(v) else (math.inf if v == math.inf else math.nan)
+
+
+def _short(v: float) -> float | None:
+    return float(f"{v:.4g}") if math.isfinite(v) else None
+
+
+def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: torch.amp.GradScaler | None,
+              step: int) -> tuple[Policy, tuple[str, ...]]:
+    """Carry out the changes :meth:`Watch.record` found due: promotions in a copy of ``policy``, and the loss
+    scale's backoff and slower growth on ``scaler`` (recorded in the copy's ``loss_scaling``). Returns (the
+    policy, the modules promoted)."""
+    cc = policy.target_compute_capability
+    bf16_ok = cc is not None and tuple(cc) >= (8, 0)
+    promoted: list[str] = []
+    scaled = False
+    for d in due:
+        name, fmt, kind, fc = d["module"], d["format"], d["kind"], d["forecast"]
+        if kind == "gradient":
+            if scaled or scaler is None or not scaler.is_enabled():
+                continue
+            scaled = True
+            ls = policy.loss_scaling
+            old = int(getattr(scaler, "_growth_interval", ls.growth_interval))
+            # the growth slows once (x4); later forecasts only back the scale off
+            new = old * 4 if not any(a.kind == "loss_scale" for a in watch.actions) else old
+            backoff = float(getattr(scaler, "_backoff_factor", ls.backoff_factor))
+            scale_t = getattr(scaler, "_scale", None)
+            if isinstance(scale_t, torch.Tensor):
+                scale_t.mul_(backoff)  # on the device: no sync
+            scaler._growth_interval = new  # torch.amp.GradScaler's own field
+            reason = describe(name, fmt, kind, fc, step)
+            policy = dataclasses.replace(policy, loss_scaling=dataclasses.replace(ls, growth_interval=new))
+            change = f"scale x{backoff:g}" + (f", growth interval {old} -> {new}" if new != old else "")
+            watch.note(Action(step, name, "loss_scale", change, reason))
+            continue
+        if name in promoted:
+            continue
+        promotion = watch.promotion(name, fmt, kind, fc, step, bf16_ok)
+        if promotion is None:
+            continue
+        to, reason = promotion
+        policy = policy.with_override(name, to, reason)
+        promoted.append(name)
+        watch.note(Action(step, name, "promote", f"{fmt} -> {to}", reason))
+    return policy, tuple(promoted)
