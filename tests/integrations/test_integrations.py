@@ -205,12 +205,8 @@ def test_callback_refuses_unknown_arguments_when_made():
 
 # -- Lightning ---------------------------------------------------------------------------------------------
 
-def test_lightning_callback(tmp_path):
-    try:
-        import lightning as L
-    except ImportError as e:  # not installed, or installed against another torch
-        pytest.skip(f"lightning does not import here ({e}); pip install 'precision-audit[lightning]'")
-    from precision_audit.integrations.lightning import PrecisionAuditCallback as LightningCallback
+def lightning_mlp(L):
+    """A LightningModule class: an 8-16-4 MLP trained with cross-entropy and SGD (the Lightning tests' model)."""
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -227,6 +223,17 @@ def test_lightning_callback(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    return Module
+
+
+def test_lightning_callback(tmp_path):
+    try:
+        import lightning as L
+    except ImportError as e:  # not installed, or installed against another torch
+        pytest.skip(f"lightning does not import here ({e}); pip install 'precision-audit[lightning]'")
+    from precision_audit.integrations.lightning import PrecisionAuditCallback as LightningCallback
+
+    Module = lightning_mlp(L)
     torch.manual_seed(0)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
     module = Module()

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from precision_audit.cli import main
 from precision_audit.errors import OptionError
@@ -16,7 +15,7 @@ from precision_audit.errors import OptionError
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate (the test extra has it)")
 
-from tests.integrations.test_integrations import _gpt2, _Same  # noqa: E402
+from tests.integrations.test_integrations import _gpt2, _Same, lightning_mlp  # noqa: E402
 
 
 def test_hf_callback_watches_and_reaudits_every_k_steps_and_at_saves(tmp_path, capsys):
@@ -60,21 +59,7 @@ def test_lightning_callback_watches_and_reaudits(tmp_path):
         pytest.skip(f"lightning does not import here ({e}); pip install 'precision-audit[lightning]'")
     from precision_audit.integrations.lightning import PrecisionAuditCallback
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-        def forward(self, x):
-            return self.net(x)
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return nn.functional.cross_entropy(self(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
+    Module = lightning_mlp(L)
     torch.manual_seed(0)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
     cb = PrecisionAuditCallback(apply_policy=True, watch=True, watch_every=1, audit_every=2, steps=0,
