@@ -99,6 +99,9 @@ EXIT_UNSAFE = 1
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
 EXIT_INTERRUPTED = 130
+#: The reader of the output went away (``precision-audit ... | head``): 128 + SIGPIPE, what a shell reports for a
+#: command that a closed pipe ended. The command's files were written as usual; only printed output was dropped.
+EXIT_BROKEN_PIPE = 141
 
 
 #: The oldest torch release precision-audit runs on. The test suite passes on 2.9.1, 2.11.0, 2.12.0 and 2.13.0

@@ -9,7 +9,8 @@ Exit codes (README.md, "Exit codes"):
   saying what was expected, what was found and the fix; no traceback);
 - 3: an internal error, a bug in precision-audit (one line; ``--verbose`` adds the traceback);
 - 130: interrupted (Ctrl-C / SIGINT at any moment): one line, and ``--out`` holds either the previous
-  results untouched or the complete new ones.
+  results untouched or the complete new ones;
+- 141: standard output closed by its reader (``| head``): the rest of the printed output dropped, nothing else.
 
 The package:
 

@@ -36,7 +36,7 @@ Other commands:
 
 Exit codes: 0 done; 1 unsafe as is in every audited format; 2 bad input or a failing model (message only);
 3 internal error (a bug: one line, --verbose shows the traceback); 130 interrupted (Ctrl-C; --out holds the
-previous results untouched or the complete new ones).
+previous results untouched or the complete new ones); 141 output pipe closed by its reader (| head).
 """
 
 

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError, check_torch_version
+from ..errors import EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError, check_torch_version
 from .commands import AUDIT, find
 
 __all__ = ["INTERRUPTED_LINE", "main", "run_command"]
@@ -60,6 +60,7 @@ def run_command(argv: list[str]) -> int:
     - an :class:`~precision_audit.errors.AuditError` (any subclass): its message, exit 2;
     - the device running out of memory: a user error too (a smaller batch), exit 2;
     - ``sys.exit()`` called by the user's code (a forward, a loss_fn): the file and line, exit 2;
+    - standard output closed by its reader (``| head``): nothing more is printed, exit 141;
     - anything else is a bug: one line (``--verbose`` adds the traceback), exit 3.
 
     ``SystemExit`` from precision-audit's own argparse parsers (``--help``, a usage error) passes through.
@@ -78,6 +79,10 @@ def run_command(argv: list[str]) -> int:
         from ..loading import model_exit_error
 
         return _user_error(model_exit_error(e))
+    except BrokenPipeError as e:
+        if _stdout_reader_gone():
+            return _reader_gone()
+        return _internal_error(e, argv)
     except Exception as e:
         if _is_out_of_memory(e):
             during = "the audit" if command is AUDIT else f"precision-audit {command.name}"
@@ -85,6 +90,31 @@ def run_command(argv: list[str]) -> int:
                                           found=str(e).splitlines()[0][:200] if str(e) else type(e).__name__,
                                           hint="use a smaller batch, or run with --device cpu"))
         return _internal_error(e, argv)
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll reports an error on its write end), so
+    that a BrokenPipeError from elsewhere (a socket in the user's code) is not taken for it."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _reader_gone() -> int:
+    """The reader went away: point standard output at /dev/null, so that the interpreter's last flush of what is
+    still buffered cannot fail again at exit, and say nothing (as ``cat`` ended by a closed pipe says nothing)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def _user_error(e: AuditError) -> int:

@@ -40,7 +40,15 @@ import torch
 from conftest import ROOT
 from models import LINEAR_BODY, MLP, MLP_BATCH, model_file
 from precision_audit.cli import main
-from precision_audit.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNSAFE, EXIT_USAGE, AuditError
+from precision_audit.errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNSAFE,
+    EXIT_USAGE,
+    AuditError,
+)
 
 HEADER = "import os, sys\nimport torch\nfrom torch import nn\n"
 LINEAR = HEADER + LINEAR_BODY
@@ -741,12 +749,25 @@ def test_exit_codes_are_documented_in_readme_and_help():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Exit codes", 1)[1].split("\n#", 1)[0]
     rows = dict(re.findall(r"^\|\s*`?(\d+)`?\s*\|(.+)\|\s*$", section, flags=re.M))
-    assert set(map(int, rows)) == {EXIT_OK, EXIT_UNSAFE, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED}
+    assert set(map(int, rows)) == {EXIT_OK, EXIT_UNSAFE, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE}
     assert "internal" in rows[str(EXIT_INTERNAL)] and "--verbose" in rows[str(EXIT_INTERNAL)]
     from precision_audit.cli import EPILOG
 
-    for code in ("0 done", "1 unsafe", "2 bad input", "3 internal error", "130 interrupted"):
+    for code in ("0 done", "1 unsafe", "2 bad input", "3 internal error", "130 interrupted", "141 output pipe"):
         assert code in EPILOG
     import precision_audit.cli as cli
 
     assert "3: an internal error" in cli.__doc__ and "130: interrupted" in cli.__doc__
+
+
+def test_a_reader_closing_the_pipe_ends_the_command_quietly():
+    """``precision-audit targets | head`` where head has gone: exit 141 (what a shell reports for a closed pipe),
+    no "internal error", no traceback, no "Exception ignored" from the interpreter's last flush (it was exit 3
+    "internal error: BrokenPipeError"). The reader's end is closed before the command writes anything."""
+    with subprocess.Popen([sys.executable, "-m", "precision_audit", "targets"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, cwd=ROOT) as p:
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        code = p.wait(timeout=120)
+    assert code == EXIT_BROKEN_PIPE, err
+    assert err.strip() == "", err
