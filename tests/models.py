@@ -11,6 +11,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,3 +49,19 @@ def tiny_mlp(d_in: int = 8, hidden: int = 8, d_out: int = 4) -> nn.Sequential:
 
 __all__ = ["HEADER", "LINEAR", "LINEAR_BODY", "MLP", "MLP_BATCH", "ROOT", "SAMPLES", "TROUBLE", "TROUBLE_BATCH",
            "model_file", "sample", "tiny_mlp"]
+
+
+class DtypeDependentDraws(nn.Module):
+    """Dropout after a draw whose size depends on the dtype, as CUDA's dropout kernel advances the RNG
+    offset by a dtype-dependent amount: seeding alone gives other masks in fp16/bf16 than in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 64)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(64, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        torch.rand(64 if h.dtype == torch.float32 else 16, device=h.device)
+        return self.out(self.drop(h))

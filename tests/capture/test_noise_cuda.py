@@ -9,28 +9,12 @@ import torch
 from torch import nn
 
 from fakecuda import FakeCuda
+from models import DtypeDependentDraws
 from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.capture.noise import measure_noise_floor, plan_forward
 from precision_audit.formats import Format
 from precision_audit.model_names import fingerprint, model_layout
 from precision_audit.policy.schema import LossScaling, ModuleOverride, Policy
-
-
-class Dropped(nn.Module):
-    """Train-mode dropout on a hidden layer, after a draw whose size depends on the dtype: under
-    ``FakeCuda(cuda_dropout=True)`` both the mask itself and the generator's position before it differ between
-    fp32 and bf16 at the same seed, as on a GPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(32, 64)
-        self.drop = nn.Dropout(0.5)
-        self.out = nn.Linear(64, 8)
-
-    def forward(self, x):
-        h = self.lin(x)
-        torch.rand(64 if h.dtype == torch.float32 else 16, device=h.device)
-        return self.out(self.drop(h))
 
 
 class OomWhenAsked(nn.Module):
@@ -64,7 +48,7 @@ def test_the_second_order_forwards_see_the_reference_masks():
     the first, so bf16 read unsafe and every plan failed its verification."""
     with FakeCuda(cuda_dropout=True):
         torch.manual_seed(0)
-        model = Dropped().train().to("cuda")
+        model = DtypeDependentDraws().train().to("cuda")
         x = torch.randn(64, 32, device="cuda")
         with _session(model, x) as s:
             s.reference_run()

@@ -17,6 +17,7 @@ from torch import nn
 import precision_audit as pa
 from conftest import SAMPLES
 from fakecuda import FakeCuda, fake_cuda  # noqa: F401 - the fixture
+from models import DtypeDependentDraws
 from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.formats import Format
 from precision_audit.model_names import fingerprint, model_layout
@@ -286,22 +287,6 @@ def test_peak_memory_not_measured_without_timed_steps(fake_cuda):
 
 
 # -- dropout: the same masks in every pass on CUDA ---------------------------------------------------------------
-
-class DtypeDependentDraws(nn.Module):
-    """Dropout after a draw whose size depends on the dtype, as CUDA's dropout kernel advances the RNG
-    offset by a dtype-dependent amount: seeding alone gives other masks in fp16/bf16 than in fp32."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(32, 64)
-        self.drop = nn.Dropout(0.5)
-        self.out = nn.Linear(64, 8)
-
-    def forward(self, x):
-        h = self.lin(x)
-        torch.rand(64 if h.dtype == torch.float32 else 16, device=h.device)
-        return self.out(self.drop(h))
-
 
 class AttentionWithDropout(nn.Module):
     def __init__(self) -> None:
