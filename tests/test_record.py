@@ -1,4 +1,4 @@
-"""The audit's typed record (precision_audit/record.py) and its one converter (report/audit_json.py), and the
+"""The audit's typed record (precision_audit/record/__init__.py) and its one converter (record/codec.py), and the
 planning, policy and record-building steps on hand-made findings (issue 13, items 1 and 2; docs/record.md).
 
 The stored audit.json of every sample model (tests/golden/) is the reference for the round trip: read into the
@@ -33,7 +33,7 @@ from precision_audit.formats import Format
 from precision_audit.gpus import resolve_target
 from precision_audit.planning.build_policy import DEFAULT_INIT_SCALE, build_policy
 from precision_audit.planning.rules import LayerPlan, Plan, plan_by_rules
-from precision_audit.report.audit_json import ReportInputError, from_json, read, to_json
+from precision_audit.record.codec import ReportInputError, from_json, read, to_json
 
 GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
 SAMPLES = sorted(p.name.removesuffix(".audit.json") for p in GOLDEN.glob("*.audit.json"))
@@ -127,7 +127,7 @@ def test_verification_is_a_typed_field_of_the_record_and_passes_the_schema():
                               loss=R.LossFacts(kind="loss_fn", description="loss_fn(output, batch)"))
     doc = to_json(r)
     assert doc["verify"]["curves"]["fp16"] == [None, None] and doc["verify"]["loss"]["kind"] == "loss_fn"
-    back = from_json(doc)  # validates against precision_audit/schemas/audit.schema.json
+    back = from_json(doc)  # validates against precision_audit/record/schemas/audit.schema.json
     assert back.verify == r.verify
 
 

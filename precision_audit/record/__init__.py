@@ -3,8 +3,8 @@
 Every section of audit.json is a dataclass here, with the attribute names audit.json uses for its keys
 (``ModelFacts.class_`` is the one exception: ``class`` in JSON). The record holds data only: it imports no
 stage, so the report and ``verify`` can read it without importing capture or analysis. Exactly one module turns
-it into audit.json and back: :mod:`precision_audit.report.audit_json` (``to_json`` / ``from_json``, validated
-against precision_audit/schemas/audit.schema.json).
+it into audit.json and back: :mod:`precision_audit.record.codec` (``to_json`` / ``from_json``, validated
+against precision_audit/record/schemas/audit.schema.json).
 
 What stays a plain mapping is a map by nature (by format name, by module name, an exponent histogram) or a
 section another stage writes through its own ``to_dict`` (``hardware``, ``emulation``, the alignment findings of
@@ -12,7 +12,7 @@ analysis/alignment.py, the noise floor's per-layer figures).
 
 Example::
 
-    from precision_audit.report.audit_json import from_json
+    from precision_audit.record.codec import from_json
     record = from_json(json.load(open("audit/audit.json")))
     record.summary.formats["bf16"].loss_rel_change, record.layers[0].plan.format, record.verdict.exit_code
 
