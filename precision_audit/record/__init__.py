@@ -486,6 +486,45 @@ class VerifyResult(Section):
     loss: LossFacts | None = None
 
 
+# --- a distributed audit (precision_audit/distributed/run.py, docs/distributed.md) ---------------------------
+
+
+@dataclass
+class RankMemory(Section):
+    """One rank's parameter bytes and resident memory (``/proc`` figures; zeros where there is none)."""
+
+    rank: int
+    parameter_bytes_held: int
+    rss_start_bytes: int
+    rss_peak_after_init_bytes: int
+    rss_peak_bytes: int
+
+
+@dataclass
+class DistributedMemory(Section):
+    """``distributed.memory``: the model's parameter bytes (global shapes) and every rank's memory."""
+
+    model_parameter_bytes: int
+    materialised: str
+    ranks: list[RankMemory]
+    note: str
+
+
+@dataclass
+class Distributed(Section):
+    """How a distributed audit ran: ranks, backend, parallelism, the batch split, memory per rank."""
+
+    world_size: int
+    backend: str
+    parallelism: str
+    batch: str
+    #: None when ``sample_batch(rank, world_size)`` in the model file gave each rank its share
+    global_batch_size: int | None
+    rank0_batch_size: int
+    reduced: str
+    memory: DistributedMemory | None = field(default=None, metadata={"omit_none": True})
+
+
 # --- the whole record ---------------------------------------------------------------------------------------
 
 
@@ -523,7 +562,7 @@ class AuditRecord(Section):
     fp8: dict[str, Any] | None = field(default=None, metadata={"omit_none": True})
     #: How a distributed audit ran: ranks, parallelism, the batch split, memory per rank
     #: (precision_audit/distributed/run.py, docs/distributed.md); absent in a single-process audit.
-    distributed: dict[str, Any] | None = field(default=None, metadata={"omit_none": True})
+    distributed: Distributed | None = field(default=None, metadata={"omit_none": True})
     #: Added by ``precision-audit verify`` (absent until a policy is verified).
     verify: VerifyResult | None = field(default=None, metadata={"omit_none": True})
 
