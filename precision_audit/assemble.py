@@ -1,4 +1,4 @@
-"""The audit record's sections from each stage's results (precision_audit/record.py; docs/record.md).
+"""The audit record's sections from each stage's results (precision_audit/record/__init__.py; docs/record.md).
 
 audit.py calls these in the order the stages run: the run facts once the model, target and device are known;
 the per-format summaries and the per-layer entries once the analysis, the cost model and the plan are done; the
@@ -207,7 +207,7 @@ def _verdict_message(plan: Plan, safe: list[str], formats: tuple[Format, ...]) -
 def section(cls: type, content: dict[str, Any] | None) -> Any:
     """A section another stage writes through its own ``to_dict`` (the loss scale, the noise floor, the
     alignment ranking), typed as the record's ``cls``."""
-    from .report.audit_json import read
+    from .record.codec import read
 
     return None if content is None else read(cls, content)
 

@@ -1,7 +1,7 @@
 """The one straight-line pipeline: load -> hardware & target -> capture -> analysis -> plan -> outputs.
 
-Only this module sees every stage; each stage's result goes into the audit's record (precision_audit/record.py)
-through precision_audit/assemble.py, and the record becomes audit.json in one place (report/audit_json.py).
+Only this module sees every stage; each stage's result goes into the audit's record (precision_audit/record/__init__.py)
+through precision_audit/assemble.py, and the record becomes audit.json in one place (record/codec.py).
 docs/record.md says which stage fills which section. Example::
 
     from precision_audit import AuditOptions, run_audit
@@ -64,7 +64,7 @@ from .planning.rules import Plan
 from .planning.verified import ChosenPlan, plan_and_verify
 from .policy.schema import Policy
 from .record import AuditRecord
-from .report.audit_json import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
+from .record.codec import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
 from .run_setup import RunSetup, resolve_device, set_up
 from .version import __version__
 
@@ -76,7 +76,7 @@ __all__ = ["AuditOptions", "AuditResult", "AuditComputation", "Subject", "comput
 
 @dataclass
 class AuditResult:
-    """One finished audit: its record (audit.json's content, typed: precision_audit/record.py), the policy, and
+    """One finished audit: its record (audit.json's content, typed: precision_audit/record/__init__.py), the policy, and
     what was written (``files``, empty until saved). ``audit`` is the record as audit.json's dict.
 
     The same record comes from :func:`run_audit` (already saved into ``--out``) and from

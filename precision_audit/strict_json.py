@@ -1,4 +1,4 @@
-"""The strict JSON reader shared by the two files the tool reads back: audit.json (report/audit_json.py) and
+"""The strict JSON reader shared by the two files the tool reads back: audit.json (record/codec.py) and
 policy.json (policy/io.py). Python's ``json`` takes ``NaN`` and ``Infinity``, lets a later duplicate key win
 silently, and reads ``1e400`` as infinity; a file that does any of these was not written by this tool, and its
 reader must say so rather than guess.

@@ -246,7 +246,7 @@ def test_the_tests_mirror_the_package():
 #: last, its own neighbours); a name is a top-level module or a subpackage of precision_audit.
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"errors", "version", "formats", "options", "strict_json", "model_names", "host_rng",
-                     "tf32_switches", "outputs", "gpus", "hardware", "record", "schemas"}),
+                     "tf32_switches", "outputs", "gpus", "hardware", "record"}),
     ("policy", {"policy"}),
     ("runtime", {"runtime"}),
     ("emulation", {"emulation"}),

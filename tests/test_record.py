@@ -1,4 +1,4 @@
-"""The audit's typed record (precision_audit/record.py) and its one converter (report/audit_json.py), and the
+"""The audit's typed record (precision_audit/record/__init__.py) and its one converter (record/codec.py), and the
 planning, policy and record-building steps on hand-made findings (issue 13, items 1 and 2; docs/record.md).
 
 The stored audit.json of every sample model (tests/golden/) is the reference for the round trip: read into the
@@ -33,7 +33,7 @@ from precision_audit.formats import Format
 from precision_audit.gpus import resolve_target
 from precision_audit.planning.build_policy import DEFAULT_INIT_SCALE, build_policy
 from precision_audit.planning.rules import LayerPlan, Plan, plan_by_rules
-from precision_audit.report.audit_json import ReportInputError, from_json, read, to_json
+from precision_audit.record.codec import ReportInputError, from_json, read, to_json
 
 GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
 SAMPLES = sorted(p.name.removesuffix(".audit.json") for p in GOLDEN.glob("*.audit.json"))
@@ -127,7 +127,7 @@ def test_verification_is_a_typed_field_of_the_record_and_passes_the_schema():
                               loss=R.LossFacts(kind="loss_fn", description="loss_fn(output, batch)"))
     doc = to_json(r)
     assert doc["verify"]["curves"]["fp16"] == [None, None] and doc["verify"]["loss"]["kind"] == "loss_fn"
-    back = from_json(doc)  # validates against precision_audit/schemas/audit.schema.json
+    back = from_json(doc)  # validates against precision_audit/record/schemas/audit.schema.json
     assert back.verify == r.verify
 
 
@@ -250,3 +250,43 @@ def test_verdict_and_layer_entry_from_hand_made_findings():
     assert entry.activation.exponent_histogram == {"-1": 60, "3": 4}
     doc = to_json(entry)
     assert read(R.LayerReport, doc) == entry
+
+
+# The ``distributed`` section as distributed/run.py wrote it while it was a dict (hand-written: the key order and
+# values a 2-rank DDP audit of the mlp sample writes), the reference the typed section must write byte for byte.
+_DISTRIBUTED_DICT = {
+    "world_size": 2, "backend": "gloo", "parallelism": "DistributedDataParallel around the model",
+    "batch": "the batch's first dimension split evenly: rows 0..3 on each rank", "global_batch_size": 8,
+    "rank0_batch_size": 4, "reduced": "per-layer statistics summed over ranks",
+    "memory": {"model_parameter_bytes": 1024, "materialised": "as built",
+               "ranks": [{"rank": r, "parameter_bytes_held": 1024, "rss_start_bytes": 100 + r,
+                          "rss_peak_after_init_bytes": 200 + r, "rss_peak_bytes": 300 + r} for r in (0, 1)],
+               "note": "resident memory of each rank's process"},
+}
+
+
+def _typed_distributed(global_batch_size: int | None = 8) -> R.Distributed:
+    d = R.Distributed(world_size=2, backend="gloo", parallelism="DistributedDataParallel around the model",
+                      batch="the batch's first dimension split evenly: rows 0..3 on each rank",
+                      global_batch_size=global_batch_size, rank0_batch_size=4,
+                      reduced="per-layer statistics summed over ranks")
+    d.memory = R.DistributedMemory(
+        model_parameter_bytes=1024, materialised="as built",
+        ranks=[R.RankMemory(rank=r, parameter_bytes_held=1024, rss_start_bytes=100 + r,
+                            rss_peak_after_init_bytes=200 + r, rss_peak_bytes=300 + r) for r in (0, 1)],
+        note="resident memory of each rank's process")
+    return d
+
+
+def test_the_typed_distributed_section_writes_the_dicts_bytes():
+    assert json.dumps(to_json(_typed_distributed()), indent=2) == json.dumps(_DISTRIBUTED_DICT, indent=2)
+    # sample_batch(rank, world_size) gave each rank its share: the global size is written as null, not left out
+    assert to_json(_typed_distributed(None))["global_batch_size"] is None
+
+
+def test_a_saved_distributed_section_reads_typed_and_writes_back_unchanged():
+    back = read(R.Distributed, copy.deepcopy(_DISTRIBUTED_DICT))
+    assert back.memory is not None and back.memory.ranks[1].rss_peak_bytes == 301
+    assert json.dumps(to_json(back)) == json.dumps(_DISTRIBUTED_DICT)
+    older = {k: v for k, v in _DISTRIBUTED_DICT.items() if k != "memory"}  # a section without per-rank memory
+    assert to_json(read(R.Distributed, older)) == older

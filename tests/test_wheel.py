@@ -22,6 +22,9 @@ def test_wheel_in_fresh_venv_renders_a_report(tmp_path):
     wheel = next(dist.glob("precision_audit-*.whl"))
     with zipfile.ZipFile(wheel) as zf:  # build-kernels compiles this source from the installed package
         assert "precision_audit/emulation/_emulation_kernels.cpp" in zf.namelist()
+        # the JSON Schemas the record's codec checks audit.json (and the policy loader policy.json) against
+        assert {"precision_audit/record/schemas/audit.schema.json",
+                "precision_audit/record/schemas/policy.schema.json"} <= set(zf.namelist())
 
     env_dir = tmp_path / "fresh"
     venv.EnvBuilder(with_pip=True).create(env_dir)

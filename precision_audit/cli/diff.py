@@ -43,7 +43,7 @@ def _audit_path(arg: str) -> Path:
 
 def diff_main(argv: Sequence[str]) -> int:
     """Entry point for ``precision-audit diff ...`` (``argv`` excludes the word ``diff``)."""
-    from ..report.audit_json import load_audit
+    from ..record.codec import load_audit
     from ..report.diff import diff_audits, diff_table
 
     args = _parser().parse_args(list(argv))

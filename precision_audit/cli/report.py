@@ -9,7 +9,7 @@ Nothing is re-run: the page is rendered from audit.json (and the policy.json bes
 so it is the same page byte for byte apart from its generation timestamp. Exit codes: 0 written; 2 a user
 error (missing or unreadable file, not an audit.json), message only.
 
-audit.json is validated before anything is rendered (precision_audit/report/audit_json.py, which reads it into
+audit.json is validated before anything is rendered (precision_audit/record/codec.py, which reads it into
 the audit's record): strict JSON (no NaN / Infinity, no number beyond a float, no duplicate key), then its JSON
 Schema; the message names the field (``layers[2].calls``). Any schema-valid file renders, extreme numbers
 (1e308, 5e-324) shown as they are (docs/report.md).
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AuditError
-from ..report.audit_json import ReportInputError, _read_json, check_audit, load_audit, load_record
+from ..record.codec import ReportInputError, _read_json, check_audit, load_audit, load_record
 
 
 def _parser() -> argparse.ArgumentParser:

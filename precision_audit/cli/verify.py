@@ -46,7 +46,7 @@ def verify_main(argv: list[str]) -> int:
     from ..loading import load_batch, load_model
     from ..outputs import check_out_dir, write_files
     from ..policy.io import load_policy
-    from ..report.audit_json import to_json
+    from ..record.codec import to_json
     from ..report.terminal import Progress
     from ..run_setup import resolve_device
     from ..verify import VerifyOptions, run_verify
@@ -60,7 +60,7 @@ def verify_main(argv: list[str]) -> int:
     record: AuditRecord | None = None
     pol = None
     if audit_path.is_file():
-        from ..report.audit_json import load_record
+        from ..record.codec import load_record
         from .report import load_policy_beside
 
         record, pol = load_record(audit_path), load_policy_beside(audit_path)
@@ -76,7 +76,7 @@ def verify_main(argv: list[str]) -> int:
     result.loss = run.loss_facts()
     files: dict[str, str | bytes] = {}
     if record is not None:
-        record.verify = result  # the record's typed ``verify`` section (precision_audit/record.py)
+        record.verify = result  # the record's typed ``verify`` section (precision_audit/record/__init__.py)
         files["audit.json"] = json.dumps(to_json(record), indent=1, allow_nan=False) + "\n"
         from ..report.html import render_html
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import record as R
 from ..errors import EXIT_INTERNAL, EXIT_INTERRUPTED, AuditError, ModelLoadError, OptionError
 from ..options import AuditOptions
 from . import failure
@@ -354,19 +355,19 @@ def _audit(opts: AuditOptions, shard: str | None, progress: Any, rank: int, worl
     root_class = sharded.original_types.get("", type(model).__name__)  # fully_shard renames it FSDP<class>
     c.record.model.class_ = root_class
     c.policy = dataclasses.replace(c.policy, model_class=root_class)
-    c.record.distributed = {
-        "world_size": world,
-        "backend": dist.get_backend(),
-        "parallelism": sharded.how,
-        "batch": (share.how.replace(f" on rank {rank}", " on each rank") if share.global_size else
-                  "sample_batch(rank, world_size) in the model file: each rank's share"),
-        "global_batch_size": share.global_size,
-        "rank0_batch_size": share.local_size,
-        "reduced": "per-layer statistics summed over ranks (counts, histograms, error sums), maxima maxed, the loss "
-                   "weighted by each rank's share of the batch; shapes, op counts, memory and time estimates are "
-                   "one rank's (its share of the batch)",
-    }
-    c.record.distributed["memory"] = _memory(sharded.model, rank, world, meta, start_rss, loaded_peak)
+    c.record.distributed = R.Distributed(
+        world_size=world,
+        backend=dist.get_backend(),
+        parallelism=sharded.how,
+        batch=(share.how.replace(f" on rank {rank}", " on each rank") if share.global_size else
+               "sample_batch(rank, world_size) in the model file: each rank's share"),
+        global_batch_size=share.global_size,
+        rank0_batch_size=share.local_size,
+        reduced="per-layer statistics summed over ranks (counts, histograms, error sums), maxima maxed, the loss "
+                "weighted by each rank's share of the batch; shapes, op counts, memory and time estimates are "
+                "one rank's (its share of the batch)",
+    )
+    c.record.distributed.memory = _memory(sharded.model, rank, world, meta, start_rss, loaded_peak)
     highest, _ = lockstep.check("the end of the audit", [c.exit_code])  # every rank done, nothing written yet
     if rank != 0:
         dist.barrier()
@@ -382,25 +383,25 @@ def _audit(opts: AuditOptions, shard: str | None, progress: Any, rank: int, worl
     return result
 
 
-def _memory(model: torch.nn.Module, rank: int, world: int, meta: bool, start_rss: int, loaded_peak: int) -> dict:
+def _memory(model: torch.nn.Module, rank: int, world: int, meta: bool, start_rss: int,
+            loaded_peak: int) -> R.DistributedMemory:
     """audit.json's ``distributed.memory``: every rank's parameter bytes and resident memory (a collective)."""
     from .tensors import local_tensor
 
     _, peak = _rss()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # global shapes
     held = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
-    memory = [None] * world
-    dist.all_gather_object(memory, {"rank": rank, "parameter_bytes_held": held,
-                                    "rss_start_bytes": start_rss, "rss_peak_after_init_bytes": loaded_peak,
-                                    "rss_peak_bytes": peak})
-    return {
-        "model_parameter_bytes": param_bytes,
-        "materialised": "shard by shard from the meta device, then init_weights(model)" if meta else "as built",
-        "ranks": memory,
-        "note": "resident memory of each rank's process (torch itself included): once the model was wrapped or "
-                "sharded (before a meta-device model is materialised), its peak once the model was initialised, "
-                "and its peak over the whole audit",
-    }
+    memory: list[Any] = [None] * world
+    dist.all_gather_object(memory, R.RankMemory(rank=rank, parameter_bytes_held=held, rss_start_bytes=start_rss,
+                                                rss_peak_after_init_bytes=loaded_peak, rss_peak_bytes=peak))
+    return R.DistributedMemory(
+        model_parameter_bytes=param_bytes,
+        materialised="shard by shard from the meta device, then init_weights(model)" if meta else "as built",
+        ranks=memory,
+        note="resident memory of each rank's process (torch itself included): once the model was wrapped or "
+             "sharded (before a meta-device model is materialised), its peak once the model was initialised, "
+             "and its peak over the whole audit",
+    )
 
 
 def _close(watchdog: Watchdog) -> None:

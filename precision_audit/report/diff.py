@@ -1,7 +1,7 @@
 """Comparing two audits: which layers' plan, error or headroom changed (``precision-audit diff A B``; docs/report.md,
 "Comparing two audits").
 
-Both files are read and validated as ``precision-audit report`` reads one (precision_audit/report/audit_json.py).
+Both files are read and validated as ``precision-audit report`` reads one (precision_audit/record/codec.py).
 Layers are matched by name (their ``named_modules()`` path). For each layer in both:
 
 - ``plan``: the format the plan gave it changed;

@@ -3,7 +3,7 @@ grouped by repeated block with the spread across repeats, the plan by decision, 
 decision in words (every module off the default format, FP8 included, and the rule that chose between formats of
 equal estimate).
 
-View logic only: every figure is a field of the audit's typed record (precision_audit/record.py); this module
+View logic only: every figure is a field of the audit's typed record (precision_audit/record/__init__.py); this module
 picks them, orders them and says which repeat holds the worst (report/groups.py finds the repeats).
 
 Example::

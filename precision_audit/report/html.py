@@ -1,9 +1,9 @@
 """report.html: one self-contained page rendered by jinja2 (autoescape on) from the audit's typed record.
 
 The report computes nothing: :mod:`precision_audit.report.view` picks numbers out of the record
-(precision_audit/record.py) and formats them for people, and :mod:`precision_audit.report.charts` draws them.
+(precision_audit/record/__init__.py) and formats them for people, and :mod:`precision_audit.report.charts` draws them.
 The record is its only input besides the policy, and ``precision-audit report audit.json`` reads the same record
-back from the file (report/audit_json.py ``from_json``), so it re-renders the same page byte for byte; the one
+back from the file (record/codec.py ``from_json``), so it re-renders the same page byte for byte; the one
 thing that differs is the generation timestamp in ``<time id="generated">``.
 
 Fields a reader of audit.json cannot count on (per layer ``alignment`` and ``cost``; ``summary.<format>.step_time.
@@ -109,8 +109,8 @@ def render_html(audit: AuditRecord, policy: Mapping[str, Any] | None, generated:
     """
     if not isinstance(audit, AuditRecord):
         raise TypeError(f"render_html takes the audit's record (precision_audit.record.AuditRecord), not "
-                        f"{type(audit).__name__}: read a saved audit.json with report.audit_json.from_json")
-    from .audit_json import as_stored
+                        f"{type(audit).__name__}: read a saved audit.json with record.codec.from_json")
+    from ..record.codec import as_stored
 
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
     with _no_cyclic_gc():

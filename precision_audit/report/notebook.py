@@ -1,6 +1,6 @@
 """The audit as a Jupyter cell output: ``AuditResult._repr_html_`` (README.md, "In a notebook").
 
-One self-contained HTML fragment built from the audit's record (precision_audit/record.py): the verdict, the
+One self-contained HTML fragment built from the audit's record (precision_audit/record/__init__.py): the verdict, the
 per-format table, the plan, and the per-layer table collapsed in a ``<details>``. No script, no external
 stylesheet, font or image, and no URL: a notebook shows it offline, and a sanitising viewer (GitHub, nbviewer) that
 drops styles still shows plain tables. Every piece of text from the audit (module names, reasons, warnings) is
@@ -45,7 +45,7 @@ def notebook_html(audit: AuditRecord | Mapping[str, Any], policy: Mapping[str, A
                   files: Sequence[Path] = ()) -> str:
     """The fragment Jupyter displays for a finished audit (``policy`` and ``files`` are optional); ``audit`` is
     the audit's record, or audit.json's content (read into the record first)."""
-    from .audit_json import as_record
+    from ..record.codec import as_record
 
     r = as_record(audit)
     ok = r.verdict.exit_code == 0

@@ -1,4 +1,4 @@
-"""Reading the audit's typed record for the report (precision_audit/record.py, docs/record.md): the optional
+"""Reading the audit's typed record for the report (precision_audit/record/__init__.py, docs/record.md): the optional
 sections and the notes that stand in for them, the per-format summaries, the per-layer costs and alignment
 records, the verification's curves and the estimated speedups. Shared by the view model (report/view.py) and the
 verdict box (report/headline.py).

@@ -1,4 +1,4 @@
-"""TensorBoard events from a finished audit's record (precision_audit/record.py), beside the profiler traces in
+"""TensorBoard events from a finished audit's record (precision_audit/record/__init__.py), beside the profiler traces in
 ``--out``/tb/ (docs/report.md, "TensorBoard").
 
 TensorBoard's step axis is the training step the audit looked at (``step``: 0 for an audit on its own; a callback
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..record import AuditRecord
-from .audit_json import as_record
+from ..record.codec import as_record
 from .numbers import fmt_num
 
 EVENT_SUFFIX = ".precision-audit"  # our event files end with this; older ones are replaced on rewrite

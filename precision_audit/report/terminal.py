@@ -157,7 +157,7 @@ def summary_text(audit: AuditRecord | Mapping[str, Any]) -> str:
     """The table printed at the end of an audit: one line per format, the loss scale, and the plan.
 
     ``audit`` is the audit's record, or audit.json's content (read into the record first)."""
-    from .audit_json import as_record
+    from ..record.codec import as_record
 
     r = as_record(audit)
     summary, target = r.summary, r.target["name"]

@@ -1,5 +1,5 @@
 """The report's view model: what report.html shows that is more than one field, read from the audit's typed
-record (precision_audit/record.py), picked, labelled and charted (docs/report.md).
+record (precision_audit/record/__init__.py), picked, labelled and charted (docs/report.md).
 
 The view computes nothing new: every figure is a field of the record. Fields audit.json marks optional (per
 layer ``alignment`` and ``cost``; ``summary.<format>.step_time.estimated_s``; top-level ``estimates``,
@@ -26,8 +26,8 @@ from markupsafe import Markup
 
 from .. import record as R
 from ..formats import RANGE_FORMATS, SPECS, Format
+from ..record.codec import read, to_json
 from . import charts
-from .audit_json import read, to_json
 from .grouped import columns, gemm_modules, layer_rows, layer_tags, plan_summary
 from .groups import GROUPED_VIEW_MIN_LAYERS, grouping
 from .headline import headline, warnings

@@ -199,7 +199,7 @@ def test_thresholds_collapse_what_costs_little():
 
 
 def test_audit_json_with_the_ranking_validates_against_the_schema(audits):
-    from precision_audit.report.schemas import validate_audit
+    from precision_audit.record.schemas import validate_audit
 
     for tie in (False, True):
         _, out = audits[tie]

@@ -27,7 +27,7 @@ from precision_audit.audit import AuditOptions, run_audit
 from precision_audit.capture.records import RunRecord
 from precision_audit.capture.stats import ErrorStats
 from precision_audit.formats import Format
-from precision_audit.report.schemas import validate_audit
+from precision_audit.record.schemas import validate_audit
 from precision_audit.report.terminal import summary_text
 
 SIDE = """

@@ -247,8 +247,8 @@ def test_the_policy_takes_the_scale_of_the_plan(tmp_path):
 def test_loss_scale_with_its_plan_validates_against_the_schema(tmp_path):
     import json
 
-    from precision_audit.report.audit_json import clean
-    from precision_audit.report.schemas import validate_audit
+    from precision_audit.record.codec import clean
+    from precision_audit.record.schemas import validate_audit
 
     c = _audit(tmp_path, with_big=True)
     doc = json.loads(json.dumps(c.audit))
@@ -257,7 +257,7 @@ def test_loss_scale_with_its_plan_validates_against_the_schema(tmp_path):
     validate_audit(doc)
     assert doc["loss_scale"]["plan"]["gradients"]["modules_not_fp16"] == 1
     # the terminal and the report show both: the uniform pass's scale and the plan's
-    from precision_audit.report.audit_json import from_json
+    from precision_audit.record.codec import from_json
     from precision_audit.report.html import render_html
     from precision_audit.report.terminal import summary_text
 

@@ -414,7 +414,7 @@ def test_a_cuda_mode_audit_of_every_sample_runs_to_the_end(name):
     from pathlib import Path
 
     from fakecuda import fake_cuda_audit
-    from precision_audit.report.schemas import validate_audit
+    from precision_audit.record.schemas import validate_audit
 
     a = fake_cuda_audit(name, target="h100")  # shared with tests/gpu/test_cuda_vs_emulated.py
     out = Path(a.pop("_out"))

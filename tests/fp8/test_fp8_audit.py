@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 from precision_audit.audit import AuditOptions, run_audit
-from precision_audit.report.schemas import validate_audit
+from precision_audit.record.schemas import validate_audit
 
 MODEL = str(ROOT / "sample_models" / "fp8_outliers" / "model.py")
 
@@ -43,7 +43,7 @@ def test_fp8_section_in_audit_json(fp8_only):
 
 
 def test_report_fp8_section(fp8_only):
-    from precision_audit.report.audit_json import from_json
+    from precision_audit.record.codec import from_json
     from precision_audit.report.html import render_html
     audit, policy = fp8_only
     html = render_html(from_json(audit), policy)

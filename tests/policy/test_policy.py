@@ -431,7 +431,7 @@ def test_save_policy_into_a_folder_path_is_an_output_error(tmp_path):
 def test_json_schema_matches_what_the_code_writes():
     from jsonschema import Draft202012Validator
 
-    from precision_audit.report.schemas import load_schema
+    from precision_audit.record.schemas import load_schema
 
     schema = load_schema("policy")
     Draft202012Validator.check_schema(schema)

@@ -15,7 +15,7 @@ import pytest
 
 from precision_audit import assemble
 from precision_audit.record import NoiseFloor
-from precision_audit.report.audit_json import read
+from precision_audit.record.codec import read
 from precision_audit.report.terminal import summary_text
 
 BUDGET = {"max_loss_rel_change": 1e-2, "max_output_rel_error": 5e-2}

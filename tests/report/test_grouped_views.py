@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from precision_audit.report.audit_json import from_json
+from precision_audit.record.codec import from_json
 from precision_audit.report.grouped import FORMAT_ORDER, TIME_TIE, off_default, why_chosen
 from precision_audit.report.groups import compress_names, grouping, spread
 from precision_audit.report.html import render_html

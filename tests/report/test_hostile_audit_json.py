@@ -1,7 +1,7 @@
 """``precision-audit report`` and ``verify`` on a tampered or hand-edited audit.json (issue 11, class 6).
 
 audit.json is validated before anything is rendered: strict JSON (NaN / Infinity literals, numbers beyond a
-float and duplicate keys refused), then the JSON Schema (precision_audit/schemas/audit.schema.json). A bad
+float and duplicate keys refused), then the JSON Schema (precision_audit/record/schemas/audit.schema.json). A bad
 file exits 2 with one message naming the field path (``layers[1].error``), no traceback, and report.html
 beside it is left as it was. Any schema-valid file renders, extreme numbers (1.8e308, 5e-324) shown as such,
 with no "inf" or "nan" produced by overflowing arithmetic.
@@ -31,7 +31,7 @@ import pytest
 from models import TROUBLE, TROUBLE_BATCH
 from precision_audit.cli import main
 from precision_audit.cli.report import ReportInputError, check_audit
-from precision_audit.report.audit_json import from_json
+from precision_audit.record.codec import from_json
 from precision_audit.report.html import render_html
 
 BIG = 1.7976931348623157e308  # the largest float
@@ -228,7 +228,7 @@ def _valid(doc: dict) -> bool:
 def _all_set_to(good: dict, value: float) -> tuple[dict, int]:
     """Every number (first 3 items of each list) set to ``value``, except those the schema then refuses
     (fractions <= 1, percentages, scales, int64 counts), which are put back; returns the doc and the count."""
-    from precision_audit.report.schemas import _validator
+    from precision_audit.record.schemas import _validator
 
     doc = copy.deepcopy(good)
     changed = set(_numeric_paths(good))

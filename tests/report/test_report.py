@@ -12,8 +12,8 @@ import pytest
 from markupsafe import escape
 
 from conftest import SAMPLES
+from precision_audit.record.codec import from_json
 from precision_audit.report import charts
-from precision_audit.report.audit_json import from_json
 from precision_audit.report.html import SECTIONS, fmt_num, fmt_scale, render_html
 
 SAMPLE_CASES = [(name, {}) for name in SAMPLES] + [("fp16_trouble", {"target": "v100"})]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_audit.report.audit_json import from_json
+from precision_audit.record.codec import from_json
 from precision_audit.report.html import render_html
 from precision_audit.report.terminal import summary_text
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from markupsafe import escape
 
-from precision_audit.report.audit_json import from_json, to_json
+from precision_audit.record.codec import from_json, to_json
 from precision_audit.report.html import SECTIONS, opt, render_html
 
 GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"

@@ -1,6 +1,6 @@
 """The cheaper report (issue 14) renders the same page and reads/writes the same record as before.
 
-``to_json`` and ``read`` look each record type's fields up once (report/audit_json.py ``_write_plan``,
+``to_json`` and ``read`` look each record type's fields up once (record/codec.py ``_write_plan``,
 ``_read_plan``, ``_reader``) and ``given`` reads a section's own fields instead of writing it out
 (report/picks.py). The references below are the walks they replace, kept here verbatim as the independent
 answer: every stored audit.json (tests/golden/) and a record holding what only a fresh audit holds (non-finite
@@ -26,7 +26,7 @@ from typing import Any, Union
 import pytest
 
 from precision_audit import record as R
-from precision_audit.report.audit_json import as_stored, from_json, read, to_json
+from precision_audit.record.codec import as_stored, from_json, read, to_json
 from precision_audit.report.html import render_html
 from precision_audit.report.picks import given
 

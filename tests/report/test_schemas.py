@@ -11,7 +11,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from conftest import SAMPLES
-from precision_audit.report.schemas import load_schema, validate_audit, validate_policy
+from precision_audit.record.schemas import load_schema, validate_audit, validate_policy
 
 FORMATS = {"fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"}
 

@@ -1,8 +1,9 @@
-"""JSON Schemas of the public outputs, shipped in ``precision_audit/schemas/`` (README.md, "Outputs"; docs/policy.md).
+"""JSON Schemas of the public outputs, shipped beside this module in ``precision_audit/record/schemas/``
+(README.md, "Outputs"; docs/policy.md).
 
 Example::
 
-    from precision_audit.report.schemas import validate_audit
+    from precision_audit.record.schemas import validate_audit
     validate_audit(json.load(open("audit/audit.json")))   # raises jsonschema.ValidationError if malformed
 """
 
@@ -19,7 +20,7 @@ SCHEMA_FILES = {"audit": "audit.schema.json", "policy": "policy.schema.json"}
 @functools.cache
 def _load(name: str) -> str:
     file = SCHEMA_FILES.get(name, name)
-    return files("precision_audit.schemas").joinpath(file).read_text(encoding="utf-8")
+    return files("precision_audit.record.schemas").joinpath(file).read_text(encoding="utf-8")
 
 
 def load_schema(name: str) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 Every section of audit.json is a dataclass here, with the attribute names audit.json uses for its keys
 (``ModelFacts.class_`` is the one exception: ``class`` in JSON). The record holds data only: it imports no
 stage, so the report and ``verify`` can read it without importing capture or analysis. Exactly one module turns
-it into audit.json and back: :mod:`precision_audit.report.audit_json` (``to_json`` / ``from_json``, validated
-against precision_audit/schemas/audit.schema.json).
+it into audit.json and back: :mod:`precision_audit.record.codec` (``to_json`` / ``from_json``, validated
+against precision_audit/record/schemas/audit.schema.json).
 
 What stays a plain mapping is a map by nature (by format name, by module name, an exponent histogram) or a
 section another stage writes through its own ``to_dict`` (``hardware``, ``emulation``, the alignment findings of
@@ -12,7 +12,7 @@ analysis/alignment.py, the noise floor's per-layer figures).
 
 Example::
 
-    from precision_audit.report.audit_json import from_json
+    from precision_audit.record.codec import from_json
     record = from_json(json.load(open("audit/audit.json")))
     record.summary.formats["bf16"].loss_rel_change, record.layers[0].plan.format, record.verdict.exit_code
 
@@ -486,6 +486,45 @@ class VerifyResult(Section):
     loss: LossFacts | None = None
 
 
+# --- a distributed audit (precision_audit/distributed/run.py, docs/distributed.md) ---------------------------
+
+
+@dataclass
+class RankMemory(Section):
+    """One rank's parameter bytes and resident memory (``/proc`` figures; zeros where there is none)."""
+
+    rank: int
+    parameter_bytes_held: int
+    rss_start_bytes: int
+    rss_peak_after_init_bytes: int
+    rss_peak_bytes: int
+
+
+@dataclass
+class DistributedMemory(Section):
+    """``distributed.memory``: the model's parameter bytes (global shapes) and every rank's memory."""
+
+    model_parameter_bytes: int
+    materialised: str
+    ranks: list[RankMemory]
+    note: str
+
+
+@dataclass
+class Distributed(Section):
+    """How a distributed audit ran: ranks, backend, parallelism, the batch split, memory per rank."""
+
+    world_size: int
+    backend: str
+    parallelism: str
+    batch: str
+    #: None when ``sample_batch(rank, world_size)`` in the model file gave each rank its share
+    global_batch_size: int | None
+    rank0_batch_size: int
+    reduced: str
+    memory: DistributedMemory | None = field(default=None, metadata={"omit_none": True})
+
+
 # --- the whole record ---------------------------------------------------------------------------------------
 
 
@@ -523,7 +562,7 @@ class AuditRecord(Section):
     fp8: dict[str, Any] | None = field(default=None, metadata={"omit_none": True})
     #: How a distributed audit ran: ranks, parallelism, the batch split, memory per rank
     #: (precision_audit/distributed/run.py, docs/distributed.md); absent in a single-process audit.
-    distributed: dict[str, Any] | None = field(default=None, metadata={"omit_none": True})
+    distributed: Distributed | None = field(default=None, metadata={"omit_none": True})
     #: Added by ``precision-audit verify`` (absent until a policy is verified).
     verify: VerifyResult | None = field(default=None, metadata={"omit_none": True})
 

@@ -1,8 +1,8 @@
-"""audit.json (schema ``precision-audit/audit``): the one place the audit's record (precision_audit/record.py)
+"""audit.json (schema ``precision-audit/audit``): the one place the audit's record (precision_audit/record/__init__.py)
 becomes JSON and JSON becomes the record again.
 
 :func:`to_json` writes an :class:`~precision_audit.record.AuditRecord` as audit.json's content; :func:`from_json`
-validates a parsed audit.json against ``precision_audit/schemas/audit.schema.json`` (through
+validates a parsed audit.json against ``precision_audit/record/schemas/audit.schema.json`` (through
 :func:`check_audit`: the message names the field) and reads it back. Floats that are
 not finite (an overflowed error metric, say) are written as ``null``; the neighbouring ``nonfinite`` counts say
 why. docs/record.md lists the record's types.
@@ -356,7 +356,7 @@ def _schema_error(path: Path | str, error: Any) -> ReportInputError:
 
 def load_audit(path: Path) -> dict[str, Any]:
     """Read and validate an audit.json for rendering: strict JSON, schema id and version, then the JSON Schema
-    (precision_audit/schemas/audit.schema.json). Raises :class:`ReportInputError` naming the field."""
+    (precision_audit/record/schemas/audit.schema.json). Raises :class:`ReportInputError` naming the field."""
     return check_audit(_read_json(path, "audit file"), path)
 
 
