@@ -14,20 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import SAMPLES
-from test_report_browser import CHROMIUM, Chromium
+from test_report_browser import browser  # noqa: F401 - the fixture: one headless Chromium per module
 
 MAX_PAGE_PX = 8000
 TABLES = ("format-table", "plan-table", "layer-table")
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"headless Chromium not available: {CHROMIUM} is missing (Debian: apt-get install -y chromium; "
-                    ".ci/run installs it)")
-    b = Chromium(tmp_path_factory.mktemp("chromium-profile"))
-    yield b
-    b.close()
 
 
 @pytest.fixture(scope="module")
