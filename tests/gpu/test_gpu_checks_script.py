@@ -42,3 +42,14 @@ def test_the_table_shows_pass_fail_and_the_steps_that_wrote_no_row(tmp_path):
     assert list(body)[1:] == [s for s, _, _ in ga.STEPS]  # in the script's order, header first
     assert text.rstrip().endswith(f"1 passed, 2 failed, {len(ga.STEPS) - 3} without a verdict")
     assert ga.main(["table", str(results)]) == 1  # a failed step fails the table
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_the_session_script_parses_and_the_checks_find_python3_alone(tmp_path):
+    """A GPU image with only ``python3`` (a lent H200's): the dry run still runs, through PA_PYTHON."""
+    assert subprocess.run(["bash", "-n", str(ROOT / "bench/gpu_session.sh")]).returncode == 0
+    env = {"PATH": "/usr/bin:/bin", "PA_PYTHON": sys.executable}
+    p = subprocess.run(["bash", str(ROOT / "bench/gpu_checks.sh"), "--dry-run"], capture_output=True, text=True,
+                       env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.rstrip().endswith(f"0 passed, 0 failed, {len(ga.STEPS)} without a verdict")
