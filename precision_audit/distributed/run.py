@@ -288,7 +288,7 @@ def _rss() -> tuple[int, int]:
         return 0, 0
 
 
-def _shard(model: torch.nn.Module, source: Any, shard: str | None, device: str) -> Any:
+def _shard(model: torch.nn.Module, source: Any, shard: str | None, device: str, unused: list[str]) -> Any:
     """The parallelism applied (shard.py); what the file's ``parallelize(model, mesh)`` raises, or a model it
     leaves on the meta device, is the user's error."""
     from ..loading.failures import exception_text, raise_site
@@ -297,7 +297,7 @@ def _shard(model: torch.nn.Module, source: Any, shard: str | None, device: str) 
     user = "parallelize" in vars(source.module)
     before = on_meta(model)
     try:
-        sharded = sharding.apply(model, source, shard, device)
+        sharded = sharding.apply(model, source, shard, device, unused)
     except Exception as e:
         if not user or isinstance(e, AuditError) or failure.raised_by_collective(e):
             raise
@@ -319,6 +319,7 @@ def _shard(model: torch.nn.Module, source: Any, shard: str | None, device: str) 
 def _audit(opts: AuditOptions, shard: str | None, progress: Any, rank: int, world: int, device: str, model: Any,
            source: Any, share: Any, *, board: Board, watchdog: Watchdog) -> Any:
     from ..audit import Subject, compute_audit, result_of
+    from . import unused as unused_check
     from .lockstep import Lockstep
     from .session import DistributedCaptureSession, Untracked
     from .tensors import set_replicated_owner
@@ -329,7 +330,13 @@ def _audit(opts: AuditOptions, shard: str | None, progress: Any, rank: int, worl
         _materialise(model, source, device)
     elif device.startswith("cuda") and not meta:
         model.to(device)
-    sharded = _shard(model, source, shard, device)
+    unused: list[str] = []
+    if shard in (None, "ddp") and "parallelize" not in vars(source.module):
+        # DDP cannot reduce what no loss reaches: found first, on every rank (unused.py)
+        raised = partial(failure.model_raised, board, part=unused_check.PART, where=None,
+                         model_file=getattr(source.module, "__file__", None))
+        unused = unused_check.agreed_unused(model, source, share.batch, device, raised)
+    sharded = _shard(model, source, shard, device, unused)
     start_rss, _ = _rss()  # torch.distributed's modules imported, nothing materialised yet (meta)
     if meta and sharded_first:
         _materialise(model, source, device)

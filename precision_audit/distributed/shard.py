@@ -48,7 +48,9 @@ def largest_module_list(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleLis
     return best
 
 
-def apply(model: torch.nn.Module, source: Any, shard: str | None, device: str) -> Sharded:
+def apply(model: torch.nn.Module, source: Any, shard: str | None, device: str,
+          unused: list[str] | None = None) -> Sharded:
+    """``unused``: the parameters no rank's loss reaches (unused.py), left out of DDP's reduction."""
     types_before = {n: type(m).__name__ for n, m in model.named_modules()}
     user = vars(source.module).get("parallelize")
     mesh_device = "cuda" if device.startswith("cuda") else "cpu"
@@ -84,8 +86,13 @@ def apply(model: torch.nn.Module, source: Any, shard: str | None, device: str) -
             run, how = model, "replicated (no trainable parameter to synchronise)"
         else:
             no_sync: dict[str, Any] = _no_buffer_sync_in_forward(DDP)
+            if unused:  # no gradient to wait for (unused.py): DDP would never finish their buckets
+                DDP._set_params_and_buffers_to_ignore_for_model(model, unused)
             run = DDP(model, find_unused_parameters=False, **no_sync)
             how = "DistributedDataParallel"
+            if unused:
+                shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+                how += f" ({len(unused)} parameter(s) no loss reaches left out of its reduction: {shown})"
     _sum_gradients(model, run)
     return Sharded(model=model, run_module=run, how=how, original_types=types_before)
 

@@ -59,8 +59,8 @@ MODEL = textwrap.dedent('''
         def __init__(self):
             super().__init__()
             self.fc = nn.Linear(8, 8)
-            if CASE == "extra":  # (a parameter no rank uses would stop DDP at its second forward)
-                self.extra = nn.Linear(8, 8)
+            if CASE == "extra":  # no parameter: one that only rank 1 used is refused earlier (unused.py)
+                self.extra = nn.Tanh()
             self.out = nn.Linear(8, 4)
             self.calls = 0
 
@@ -129,12 +129,16 @@ LAUNCH_S = 60.0
 
 
 CASES = [
-    # the acceptance case: rank 1 raises in its third forward (the bf16 pass: a format pass, where gloo aborted)
-    Case("raise-in-third-forward", {"PA_CASE": "raise", "PA_AT": "3"}, 2,
-         ("(rank 1 of 2): the model raised ValueError", "rank one broke in forward 3", "bf16 pass")),
-    Case("raise-in-first-forward", {"PA_CASE": "raise", "PA_AT": "1"}, 2,
+    # the acceptance case: rank 1 raises in a format pass (the bf16 pass: where gloo aborted); its fourth forward, after
+    # the one that finds the parameters no loss reaches (distributed/unused.py), the reference pass and the fp16 pass
+    Case("raise-in-the-bf16-pass", {"PA_CASE": "raise", "PA_AT": "4"}, 2,
+         ("(rank 1 of 2): the model raised ValueError", "rank one broke in forward 4", "bf16 pass")),
+    Case("raise-before-the-passes", {"PA_CASE": "raise", "PA_AT": "1"}, 2,
+         ("(rank 1 of 2): the model raised ValueError in the forward that finds the parameters no loss reaches",
+          "rank one broke in forward 1"), slow=True),
+    Case("raise-in-the-reference-pass", {"PA_CASE": "raise", "PA_AT": "2"}, 2,
          ("(rank 1 of 2): the model raised ValueError", "FP32 reference pass"), slow=True),
-    Case("raise-in-backward", {"PA_CASE": "backward", "PA_AT": "2"}, 2,
+    Case("raise-in-backward", {"PA_CASE": "backward", "PA_AT": "3"}, 2,
          ("(rank 1 of 2)", "backward of the fp16 pass", "rank one's backward broke"), slow=True),
     Case("sys-exit", {"PA_CASE": "sys-exit"}, 2, ("(rank 1 of 2): the model called sys.exit(3)",), slow=True),
     Case("os-exit", {"PA_CASE": "os-exit"}, 2, ("(rank 1 of 2): the rank ended with exit code 5 without a message",),
@@ -325,7 +329,7 @@ def test_a_signal_reaches_ranks_blocked_in_a_collective(sig, model_file, tmp_pat
     out = tmp_path / "out"
     before = previous_out(out)
     mark = uuid.uuid4().hex
-    proc = start(model_file, out, mark, {"PA_CASE": "recv", "PA_AT": "1"})
+    proc = start(model_file, out, mark, {"PA_CASE": "recv", "PA_AT": "2"})  # the reference pass's forward
     _wait_for(proc, "FP32 reference pass", 120)
     time.sleep(2.0)  # both ranks are now blocked
     t0 = time.monotonic()
@@ -343,7 +347,7 @@ def test_no_rank_outlives_a_killed_launcher(model_file, tmp_path):
     out = tmp_path / "out"
     before = previous_out(out)
     mark = uuid.uuid4().hex
-    proc = start(model_file, out, mark, {"PA_CASE": "recv", "PA_AT": "2"})  # both blocked after the reference pass
+    proc = start(model_file, out, mark, {"PA_CASE": "recv", "PA_AT": "3"})  # both blocked after the reference pass
     _wait_for(proc, "FP32 reference pass", 120)
     time.sleep(2.0)
     proc.kill()

@@ -1,0 +1,116 @@
+"""Parameters the loss does not reach, found before DistributedDataParallel wraps the model (docs/distributed.md,
+"Parameters no loss reaches").
+
+DDP, as the audit builds it (``find_unused_parameters=False``: DDP's ``_DDPSink`` would otherwise copy every
+output and its traversal warn on every model that has none), waits in each backward for a gradient of every
+parameter it reduces. A parameter no forward uses (BERT's pooler under a masked-LM head, a head kept for another
+task) never gets one: the bucket holding it is never reduced, and the next forward raises "Expected to have
+finished reduction in the prior iteration", so that every format pass fails and the plan falls back to FP32.
+
+So before wrapping, each rank runs one forward of its batch share with autograd recording (the modules in eval
+mode, every generator forked: nothing of the model or the RNG changes), computes the loss the audit will use,
+walks the loss's autograd graph to the parameters it reaches, and the ranks agree on the rest. Those parameters
+are left out of DDP's reduction (they have no gradient to reduce): a model whose every parameter is used is wrapped
+exactly as before. A rank that uses a parameter another does not is refused with its name (DDP cannot reduce
+it; ``--shard fsdp`` can). A graph holding a reentrant checkpoint hides the parameters inside it from the walk:
+then nothing is left out (as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import host_rng
+from ..errors import ModelRunError
+
+
+def reached_parameters(loss: torch.Tensor) -> set[int] | None:
+    """The ids of the leaf tensors ``loss``'s autograd graph accumulates gradients into; None when the graph holds
+    a reentrant checkpoint (its forward ran without recording, so the parameters inside are not in the graph)."""
+    reached: set[int] = set()
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if "CheckpointFunction" in type(node).__name__:
+            return None
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if isinstance(variable, torch.Tensor):
+            reached.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return reached
+
+
+@contextlib.contextmanager
+def _untouched(model: torch.nn.Module, device: str) -> Iterator[None]:
+    """Eval mode (no running statistics updated) and forked generators for the trial forward; put back after."""
+    modes = [(m, m.training) for m in model.modules()]
+    cuda = device.startswith("cuda")
+    devices = [torch.cuda.current_device()] if cuda else []
+    try:
+        with torch.random.fork_rng(devices=devices), host_rng.fork(), torch.enable_grad():
+            model.eval()
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+#: how an exception of the model in this forward is named to the user (distributed/failure.py's model_raised)
+PART = "forward that finds the parameters no loss reaches"
+
+
+def unused_parameters(model: torch.nn.Module, source: Any, batch: Any, device: str,
+                      raised: Callable[[BaseException], None]) -> list[str] | None:
+    """This rank's trainable parameters that its loss does not reach, by name; None when that cannot be told (a
+    reentrant checkpoint; or the forward raised on every rank alike: ``raised(e)`` returned, and the audit's first
+    pass meets the same error and reports it as one process would. Where only some ranks raised, ``raised`` ends
+    the audit naming the rank)."""
+    from ..loading import resolve_loss
+
+    try:
+        with _untouched(model, device):
+            batch = batch.to(device)
+            out = model(*batch.args, **batch.kwargs)
+            loss = resolve_loss(source, out, batch)(out, batch)
+            reached = reached_parameters(loss) if loss.requires_grad else None
+            del out, loss
+    except Exception as e:
+        raised(e)
+        return None
+    if reached is None:
+        return None
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in reached]
+
+
+def agreed_unused(model: torch.nn.Module, source: Any, batch: Any, device: str,
+                  raised: Callable[[BaseException], None]) -> list[str]:
+    """The parameters every rank's loss leaves unreached (all ranks call this together); [] when any rank cannot
+    tell. A parameter unused on some ranks and used on others is a :class:`ModelRunError`."""
+    mine = unused_parameters(model, source, batch, device, raised)
+    every: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if any(u is None for u in every):
+        return []
+    sets = [set(u or ()) for u in every]
+    common = set.intersection(*sets)
+    for rank, s in enumerate(sets):
+        if s != common:
+            name = sorted(s - common)[0]
+            user = next(r for r, t in enumerate(sets) if name not in t)
+            raise ModelRunError(
+                f"parameter '{name}' gets no gradient from rank {rank}'s share of the batch but does from rank "
+                f"{user}'s: DistributedDataParallel cannot reduce a parameter only some ranks use",
+                expected="every parameter reached by the loss on every rank, or on none",
+                found=f"'{name}' unused on rank {rank}, used on rank {user}",
+                hint="audit with --shard fsdp (FSDP reduces such parameters), or give every rank a batch share "
+                     "that uses the same parameters")
+    return [n for n, _ in model.named_parameters() if n in common]

@@ -1,0 +1,87 @@
+"""Parameters no loss reaches under DDP (precision_audit/distributed/unused.py): a model with an unused head audits
+across ranks as in one process (before: every format pass raised DDP's "Expected to have finished reduction in the
+prior iteration" and the plan fell back to FP32), and a parameter only some ranks use is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as cp
+
+from precision_audit.distributed.unused import reached_parameters
+from test_distributed_audit import _compare, audit
+
+UNUSED_HEAD = """
+import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        self.pooler = nn.Linear(128, 128)  # never used, as BERT's pooler under a masked-LM head
+        self.b = nn.Linear(128, 16)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+def build_model():
+    torch.manual_seed(0); return Net()
+def sample_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(32, 64, generator=g), torch.randint(0, 16, (32,), generator=g)
+"""
+
+SOME_RANKS = """
+import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+    def forward(self, x):
+        y = self.a(x)
+        if x[0, 0] > 0:  # the first row of rank 0's share, not of rank 1's
+            y = self.extra(y)
+        return self.b(y)
+def build_model():
+    torch.manual_seed(0); return Net()
+def sample_batch():
+    x = torch.randn(8, 8); x[0, 0] = 1.0; x[4, 0] = -1.0
+    return x, torch.randint(0, 4, (8,))
+"""
+
+
+def test_the_walk_finds_what_the_loss_reaches():
+    a, b, c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    loss = b(a(x) + a.weight.sum()).sum()  # a used twice, c never
+    reached = reached_parameters(loss)
+    assert reached == {id(a.weight), id(a.bias), id(b.weight), id(b.bias)}
+    assert id(c.weight) not in reached
+    # a reentrant checkpoint runs its forward unrecorded: its parameters are not in the graph, so no answer
+    loss = cp.checkpoint(c, a(x).requires_grad_(), use_reentrant=True).sum()
+    assert reached_parameters(loss) is None
+
+
+def test_an_unused_head_audits_across_ranks_as_in_one_process(tmp_path):
+    src = tmp_path / "model.py"
+    src.write_text(UNUSED_HEAD)
+    a, b = _compare(str(src), tmp_path)
+    assert b["distributed"]["parallelism"] == ("DistributedDataParallel (2 parameter(s) no loss reaches left out "
+                                               "of its reduction: pooler.weight, pooler.bias)")
+    decided = [(p["default_format"], p["overrides"], [c["label"] for c in p["candidates"] if c["chosen"]])
+               for p in (a["plan"], b["plan"])]
+    assert decided[0] == decided[1] and decided[1][0] != "fp32", decided
+    assert "Expected to have finished reduction" not in json.dumps(b)
+
+
+def test_a_parameter_only_some_ranks_use_is_refused_by_name(tmp_path):
+    src = tmp_path / "model.py"
+    src.write_text(SOME_RANKS)
+    out = tmp_path / "out"
+    r = audit(str(src), "--out", str(out), "--nproc", "2", timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "parameter 'extra.bias' gets no gradient from rank 1's share of the batch but does from rank 0's" \
+        in r.stderr, r.stderr[-2000:]
+    assert "--shard fsdp" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
