@@ -18,6 +18,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _tf32_switches():
+    """The process's TF32 switches as every test found them: the exported snippets (tests/policy/test_exporters.py)
+    set them, as they must in a user's training script, and a test that reads the defaults after them (tests/capture/
+    test_tf32.py) read conv TF32 off. Tests of the tool's own restoring assert inside their body."""
+    from precision_audit.tf32_switches import restore, snapshot
+
+    saved = snapshot()
+    yield
+    restore(saved)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _kernel_cache(tmp_path_factory):
     """An empty compiled-kernel cache and no automatic build, so that a developer's built kernels never change
