@@ -26,22 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-#: Field metadata: the JSON key when it differs from the attribute name.
-def _key(name: str) -> Any:
-    return field(metadata={"key": name})
-
-
-@dataclass
-class Section:
-    """What every record shares: the keys of a hand-edited file this version has no field for (``extra``) and
-    the optional keys the file left out (``absent``); neither is set by an audit itself."""
-
-    extra: dict[str, Any] = field(default_factory=dict, kw_only=True, repr=False, compare=False,
-                                  metadata={"internal": True})
-    absent: frozenset[str] = field(default_factory=frozenset, kw_only=True, repr=False, compare=False,
-                                   metadata={"internal": True})
-
+from .section import Section, _key
 
 # --- run facts (audit.py: load -> hardware & target) -------------------------------------------------------
 
