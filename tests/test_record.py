@@ -33,6 +33,7 @@ from precision_audit.formats import Format
 from precision_audit.gpus import resolve_target
 from precision_audit.planning.build_policy import DEFAULT_INIT_SCALE, build_policy
 from precision_audit.planning.rules import LayerPlan, Plan, plan_by_rules
+from precision_audit.record import fp8 as F8
 from precision_audit.record.codec import ReportInputError, from_json, read, to_json
 
 GOLDEN = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists()) / "tests" / "golden"
@@ -290,3 +291,153 @@ def test_a_saved_distributed_section_reads_typed_and_writes_back_unchanged():
     assert json.dumps(to_json(back)) == json.dumps(_DISTRIBUTED_DICT)
     older = {k: v for k, v in _DISTRIBUTED_DICT.items() if k != "memory"}  # a section without per-rank memory
     assert to_json(read(R.Distributed, older)) == older
+
+
+# The ``fp8`` section as fp8/measure.py ``result_dict``, fp8/plan.py ``to_dict`` and fp8/audit.py wrote it while it
+# was a dict (hand-written: the key order of that code, for a 1-layer model with a matmul outside nn.Linear,
+# two recipes, one of them failing the model, on an H100), the reference the typed section must write byte for byte.
+_M = {"rel_l2": 0.0375, "sqnr_db": 28.5, "max_abs": 0.027, "cosine": 0.9993, "nonfinite": 0, "elements": 4096}
+_M_INF = {"rel_l2": None, "sqnr_db": None, "max_abs": None, "cosine": None, "nonfinite": 3, "elements": 4096}
+_OP = {"saturated_share": 0.0, "flushed_share": 0.25, "saturated": 0, "flushed": 1024, "nonzero": 4096,
+       "nonfinite": 0, "scale_min": 123.5, "scale_max": 240.0}
+_COST = {"bf16_time_s": 4.8e-07, "gemm_time_s": 2.4e-07, "cast_time_s": 3.6e-05, "time_s": 3.624e-05,
+         "speedup_vs_bf16": 0.0133, "convertible": True, "pays": False, "note": None}
+_FP8_MEASURED = {
+    "recipes": {"fp8_tensorwise": {"description": "FP8, one scale per tensor", "source": "torchao tensorwise",
+                                   "min_compute_capability": [8, 9], "torchao_recipe": "tensorwise"},
+                "fp8_delayed": {"description": "FP8, amax history", "source": "TE DelayedScaling",
+                                "min_compute_capability": [8, 9], "torchao_recipe": None}},
+    "budget": {"max_local_rel_error": 0.05, "rule": "local output rel_l2 and per-token rel_l2 at most this"},
+    "loss_fp32": 2.75,
+    "loss": {"fp8_tensorwise": 2.7506, "fp8_delayed": None},
+    "output_error": {"fp8_tensorwise": _M, "fp8_delayed": _M_INF},
+    "history_steps": 4,
+    "layers": [{"name": "fc1", "in_features": 64, "out_features": 128, "tokens": 32, "calls": 1, "recipes": {
+        "fp8_tensorwise": {"local": {"output": _M, "grad_input": _M, "grad_weight": _M},
+                           "local_per_token_rel_l2": 0.0376, "local_worst_token_rel_l2": 0.0467,
+                           "accumulated": {"output": _M, "grad_weight": _M}, "accumulated_per_token_rel_l2": 0.0376,
+                           "operands": {"output.input": _OP, "output.weight": _OP}, "loss_impact": -1.5e-05,
+                           "stale_steps": None, "meets_budget": True},
+        "fp8_delayed": {"local": {"output": _M_INF}, "local_per_token_rel_l2": None, "local_worst_token_rel_l2": None,
+                        "accumulated": {}, "accumulated_per_token_rel_l2": 0.0, "operands": {"output.input": _OP},
+                        "loss_impact": 0.0, "stale_steps": {"input": [0], "weight": [], "grad_output": []},
+                        "meets_budget": False}}}],
+    "notes": ["delayed scaling: the amax history holds 3 earlier FP32 step(s)"],
+    "errors": {"fp8_delayed": "RuntimeError: the model failed under the recipe"},
+    "other_gemms": [{"module": "attn", "op": "matmul", "index": 0, "a_shape": [4, 32, 16], "b_shape": [4, 16, 32],
+                     "calls": 1, "gemm_flops": 131072, "recipes": {
+                         "fp8_tensorwise": {"local": {"output": _M}, "operands": {"output.a": _OP, "output.b": _OP},
+                                            "meets_budget": True},
+                         "fp8_delayed": {"note": "not measured: delayed scaling keeps an amax history"}},
+                     "plan": "kept in the plan's format: torchao converts only nn.Linear"}],
+}
+_FP8_DICT = {
+    **_FP8_MEASURED,
+    "plan": {"modules": {"fc1": {"recipe": "fp8_tensorwise", "reason": "fp8_tensorwise: local error 3.75e-02",
+                                 "gemm_flops": 1572864, "cost": {"fp8_tensorwise": _COST}}},
+             "fp8_flop_share": 1.0, "estimated_linear_speedup_vs_bf16": None, "tokens_per_step": {"fc1": 32},
+             "verified": {"modules": {"fc1": "fp8_tensorwise"}, "loss": 2.7509, "loss_rel_change": 0.0002,
+                          "output_rel_l2": 0.0448, "meets_budget": True},
+             "dropped_for_budget": []},
+    "target": {"name": "H100 SXM", "compute_capability": [9, 0],
+               "recipes_supported": ["fp8_tensorwise", "fp8_delayed"]},
+    "cost_assumptions": ["three GEMMs per step (output, grad_input, grad_weight)"],
+    "torchao_auto_filter": {"fc1": {"fp8_tensorwise": False, "fp8_rowwise": False}},
+}
+# a model without nn.Linear: the plan written as null, with the note why; no target, assumptions or auto_filter
+_FP8_UNPLANNED = {**_FP8_MEASURED, "layers": [], "plan": None, "plan_note": "not planned: the model has no nn.Linear"}
+
+
+def _typed_fp8(planned: bool = True) -> F8.Fp8:
+    def m(inf: bool = False) -> F8.Fp8Metrics:
+        return (F8.Fp8Metrics(rel_l2=None, sqnr_db=None, max_abs=None, cosine=None, nonfinite=3, elements=4096) if inf
+                else F8.Fp8Metrics(rel_l2=0.0375, sqnr_db=28.5, max_abs=0.027, cosine=0.9993, nonfinite=0,
+                                   elements=4096))
+
+    def op() -> F8.Fp8Operand:
+        return F8.Fp8Operand(saturated_share=0.0, flushed_share=0.25, saturated=0, flushed=1024, nonzero=4096,
+                             nonfinite=0, scale_min=123.5, scale_max=240.0)
+
+    tensorwise = F8.Fp8LayerRecipe(
+        local={"output": m(), "grad_input": m(), "grad_weight": m()}, local_per_token_rel_l2=0.0376,
+        local_worst_token_rel_l2=0.0467, accumulated={"output": m(), "grad_weight": m()},
+        accumulated_per_token_rel_l2=0.0376, operands={"output.input": op(), "output.weight": op()},
+        loss_impact=-1.5e-05, stale_steps=None, meets_budget=True)
+    delayed = F8.Fp8LayerRecipe(
+        local={"output": m(inf=True)}, local_per_token_rel_l2=math.inf, local_worst_token_rel_l2=math.inf,
+        accumulated={}, accumulated_per_token_rel_l2=0.0, operands={"output.input": op()}, loss_impact=0.0,
+        stale_steps={"input": [0], "weight": [], "grad_output": []}, meets_budget=False)
+    other = F8.Fp8OtherGemm(
+        module="attn", op="matmul", index=0, a_shape=[4, 32, 16], b_shape=[4, 16, 32], calls=1, gemm_flops=131072,
+        recipes={"fp8_tensorwise": F8.Fp8OtherGemmRecipe(local={"output": m()},
+                                                         operands={"output.a": op(), "output.b": op()},
+                                                         meets_budget=True),
+                 "fp8_delayed": F8.Fp8OtherGemmRecipe(note="not measured: delayed scaling keeps an amax history")},
+        plan="kept in the plan's format: torchao converts only nn.Linear")
+    section = F8.Fp8(
+        recipes={"fp8_tensorwise": F8.Fp8RecipeInfo(description="FP8, one scale per tensor",
+                                                    source="torchao tensorwise", min_compute_capability=[8, 9],
+                                                    torchao_recipe="tensorwise"),
+                 "fp8_delayed": F8.Fp8RecipeInfo(description="FP8, amax history", source="TE DelayedScaling",
+                                                 min_compute_capability=[8, 9], torchao_recipe=None)},
+        budget=F8.Fp8Budget(max_local_rel_error=0.05, rule="local output rel_l2 and per-token rel_l2 at most this"),
+        loss_fp32=2.75, loss={"fp8_tensorwise": 2.7506, "fp8_delayed": None},
+        output_error={"fp8_tensorwise": m(), "fp8_delayed": m(inf=True)}, history_steps=4,
+        layers=[F8.Fp8Layer(name="fc1", in_features=64, out_features=128, tokens=32, calls=1,
+                            recipes={"fp8_tensorwise": tensorwise, "fp8_delayed": delayed})] if planned else [],
+        notes=["delayed scaling: the amax history holds 3 earlier FP32 step(s)"],
+        errors={"fp8_delayed": "RuntimeError: the model failed under the recipe"}, other_gemms=[other])
+    if not planned:  # as fp8/audit.py sets it for a model without nn.Linear
+        section.plan, section.plan_note = None, "not planned: the model has no nn.Linear"
+        return section
+    cost = F8.Fp8RecipeCost(bf16_time_s=4.8e-07, gemm_time_s=2.4e-07, cast_time_s=3.6e-05, time_s=3.624e-05,
+                            speedup_vs_bf16=0.0133, convertible=True, pays=False, note=None)
+    section.plan = F8.Fp8PlanReport(
+        modules={"fc1": F8.Fp8ModulePlan(recipe="fp8_tensorwise", reason="fp8_tensorwise: local error 3.75e-02",
+                                         gemm_flops=1572864, cost={"fp8_tensorwise": cost})},
+        fp8_flop_share=1.0, estimated_linear_speedup_vs_bf16=None, tokens_per_step={"fc1": 32},
+        verified=F8.Fp8Verified(modules={"fc1": "fp8_tensorwise"}, loss=2.7509, loss_rel_change=0.0002,
+                                output_rel_l2=0.0448, meets_budget=True),
+        dropped_for_budget=[])
+    section.target = F8.Fp8Target(name="H100 SXM", compute_capability=[9, 0],
+                                  recipes_supported=["fp8_tensorwise", "fp8_delayed"])
+    section.cost_assumptions = ["three GEMMs per step (output, grad_input, grad_weight)"]
+    section.torchao_auto_filter = {"fc1": {"fp8_tensorwise": False, "fp8_rowwise": False}}
+    return section
+
+
+def test_the_typed_fp8_section_writes_the_dicts_bytes():
+    assert json.dumps(to_json(_typed_fp8()), indent=2) == json.dumps(_FP8_DICT, indent=2)
+    # no nn.Linear: "plan" written as null (not left out), "plan_note" after it, nothing of the plan's after that
+    assert json.dumps(to_json(_typed_fp8(planned=False)), indent=2) == json.dumps(_FP8_UNPLANNED, indent=2)
+
+
+def test_a_saved_fp8_section_reads_typed_and_writes_back_unchanged():
+    back = read(F8.Fp8, copy.deepcopy(_FP8_DICT))
+    assert isinstance(back.plan, F8.Fp8PlanReport) and isinstance(back.plan.verified, F8.Fp8Verified)
+    assert back.plan.modules["fc1"].cost["fp8_tensorwise"].time_s == 3.624e-05
+    delayed = back.layers[0].recipes["fp8_delayed"]
+    assert delayed.stale_steps == {"input": [0], "weight": [], "grad_output": []}
+    assert delayed.local["output"] == F8.Fp8Metrics(None, None, None, None, 3, 4096)
+    assert back.other_gemms[0].recipes["fp8_delayed"].note.startswith("not measured")
+    assert back.other_gemms[0].recipes["fp8_tensorwise"].operands["output.b"].scale_max == 240.0
+    assert back.torchao_auto_filter == {"fc1": {"fp8_tensorwise": False, "fp8_rowwise": False}}
+    assert json.dumps(to_json(back)) == json.dumps(_FP8_DICT)
+    unplanned = read(F8.Fp8, copy.deepcopy(_FP8_UNPLANNED))
+    assert unplanned.plan is None and unplanned.target is None
+    assert json.dumps(to_json(unplanned)) == json.dumps(_FP8_UNPLANNED)
+    # the typed section as built equals the one read back (the non-finite per-token errors are None once stored)
+    built = _typed_fp8()
+    built.layers[0].recipes["fp8_delayed"].local_per_token_rel_l2 = None
+    built.layers[0].recipes["fp8_delayed"].local_worst_token_rel_l2 = None
+    assert back == built
+
+
+def test_an_audit_with_an_fp8_section_passes_the_schema_and_reads_typed():
+    doc = _stored("mlp")
+    doc["fp8"] = copy.deepcopy(_FP8_DICT)
+    record = from_json(copy.deepcopy(doc))
+    assert isinstance(record.fp8, F8.Fp8) and record.fp8.layers[0].name == "fc1"
+    again = to_json(record)
+    assert again == doc  # the stored golden files are key-sorted: the fp8 section's own order is checked here
+    assert json.dumps(again["fp8"], indent=1) == json.dumps(_FP8_DICT, indent=1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from ..analysis.cost import KERNEL_FLOOR_S, gemm_efficiency
 from ..capture.ops import GemmOp
 from ..gpus import GpuSpec
+from ..record.fp8 import Fp8RecipeCost
 from .recipes import RECIPES
 
 #: bytes moved per element of each of the three tensors (input, weight, grad_output; BF16 in, 2 bytes) by the
@@ -68,10 +69,11 @@ class LayerCost:
         s = self.speedup
         return self.convertible and s is not None and s > 1.0
 
-    def to_dict(self) -> dict:
-        return {"bf16_time_s": self.bf16_time_s, "gemm_time_s": self.gemm_time_s, "cast_time_s": self.cast_time_s,
-                "time_s": self.time_s, "speedup_vs_bf16": self.speedup, "convertible": self.convertible,
-                "pays": self.pays, "note": self.note or None}
+    def to_record(self) -> Fp8RecipeCost:
+        """audit.json's ``fp8.plan.modules[].cost[recipe]``."""
+        return Fp8RecipeCost(bf16_time_s=self.bf16_time_s, gemm_time_s=self.gemm_time_s,
+                             cast_time_s=self.cast_time_s, time_s=self.time_s, speedup_vs_bf16=self.speedup,
+                             convertible=self.convertible, pays=self.pays, note=self.note or None)
 
 
 def _gemm(m: int, n: int, k: int) -> GemmOp:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..capture.stats import ErrorStats
+from ..record.fp8 import Fp8Metrics, Fp8Operand
 from . import quant as Q
 from .recipes import OPERANDS, Cast, Recipe
 
@@ -42,12 +44,15 @@ class OperandStats:
                 self.scale_min = min(self.scale_min, float(fin.min()))
                 self.scale_max = max(self.scale_max, float(fin.max()))
 
-    def to_dict(self) -> dict:
+    def to_record(self) -> Fp8Operand:
+        """audit.json's figures of this operand (``fp8.layers[].recipes[].operands``): shares of the nonzero
+        values, the scales None when none was chosen."""
         n = self.nonzero
-        return {"saturated_share": self.saturated / n if n else 0.0, "flushed_share": self.flushed / n if n else 0.0,
-                "saturated": self.saturated, "flushed": self.flushed, "nonzero": n, "nonfinite": self.nonfinite,
-                "scale_min": self.scale_min if self.calls and math.isfinite(self.scale_min) else None,
-                "scale_max": self.scale_max if self.calls and math.isfinite(self.scale_max) else None}
+        return Fp8Operand(saturated_share=self.saturated / n if n else 0.0,
+                          flushed_share=self.flushed / n if n else 0.0, saturated=self.saturated,
+                          flushed=self.flushed, nonzero=n, nonfinite=self.nonfinite,
+                          scale_min=self.scale_min if self.calls and math.isfinite(self.scale_min) else None,
+                          scale_max=self.scale_max if self.calls and math.isfinite(self.scale_max) else None)
 
 
 def _dtype(cast: Cast) -> torch.dtype:
@@ -186,7 +191,15 @@ def patched(modules: dict[torch.nn.Linear, Fp8State]) -> Iterator[None]:
 _MISSING = object()
 
 
-def finite_metrics(metrics: dict) -> dict:
-    """Error metrics for audit.json's ``fp8`` section: a non-finite figure is null and the ``nonfinite`` count
-    beside it says why, as everywhere in audit.json (docs/record.md; it held the strings "inf"/"nan" before)."""
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
+def metrics_record(e: ErrorStats) -> Fp8Metrics:
+    """Error metrics for audit.json's ``fp8`` section: a non-finite figure is None (null in the file) and the
+    ``nonfinite`` count beside it says why, as everywhere in audit.json (docs/record.md; it held the strings
+    "inf"/"nan" before)."""
+    m = e.metrics()
+
+    def finite(k: str) -> float | None:
+        v = m[k]
+        return v if not isinstance(v, float) or math.isfinite(v) else None
+
+    return Fp8Metrics(rel_l2=finite("rel_l2"), sqnr_db=finite("sqnr_db"), max_abs=finite("max_abs"),
+                      cosine=finite("cosine"), nonfinite=int(m["nonfinite"]), elements=int(m["elements"]))

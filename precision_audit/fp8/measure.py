@@ -31,8 +31,9 @@ from ..capture import ModelState
 from ..capture.records import float_tensors
 from ..capture.stats import ErrorStats
 from ..model_names import named_modules
-from .linear import Fp8State, OperandStats, finite_metrics, fp8_linear, patched
-from .other_gemms import OtherGemm, measure_other_gemms, other_gemms_dict
+from ..record.fp8 import Fp8, Fp8Budget, Fp8Layer, Fp8LayerRecipe, Fp8Metrics, Fp8RecipeInfo
+from .linear import Fp8State, OperandStats, fp8_linear, metrics_record, patched
+from .other_gemms import OtherGemm, measure_other_gemms, other_gemms_record
 from .recipes import DEFAULT_RECIPES, RECIPES, Recipe
 
 log = logging.getLogger(__name__)
@@ -318,46 +319,46 @@ def _amax_histories(model, forward, loss_of, linears, state, seed, steps) -> dic
     return hist
 
 
-# -- JSON ---------------------------------------------------------------------------------------------------
+# -- audit.json ----------------------------------------------------------------------------------------------
 
-def _metrics(e: ErrorStats | None) -> dict | None:
-    return None if e is None else finite_metrics(e.metrics())
+def _metrics(errors: dict[str, ErrorStats]) -> dict[str, Fp8Metrics | None]:
+    return {k: metrics_record(v) for k, v in errors.items()}
 
 
-def result_dict(r: Fp8Result, budget_rel_error: float) -> dict:
-    """The ``fp8`` section of audit.json (docs/fp8.md, "audit.json")."""
-    layers = []
-    for L in r.layers:
-        per = {}
-        for rname, res in L.recipes.items():
-            local_out = res.local.get("output")
-            worst = max(local_out.rel_l2 if local_out else 0.0, res.local_token.rel_l2)
-            per[rname] = {
-                "local": {k: _metrics(v) for k, v in res.local.items()},
-                "local_per_token_rel_l2": res.local_token.rel_l2,
-                "local_worst_token_rel_l2": res.local_token.worst,
-                "accumulated": {k: _metrics(v) for k, v in res.accumulated.items()},
-                "accumulated_per_token_rel_l2": res.accumulated_token.rel_l2,
-                "operands": {f"{g}.{role}": s.to_dict() for (g, role), s in sorted(res.operands.items())},
-                "loss_impact": res.loss_impact,
-                "stale_steps": res.stale_steps or None,
-                "meets_budget": bool(math.isfinite(worst) and worst <= budget_rel_error),
-            }
-        layers.append({"name": L.name, "in_features": L.in_features, "out_features": L.out_features,
-                       "tokens": L.tokens, "calls": L.calls, "recipes": per})
-    return {
-        "recipes": {n: {"description": RECIPES[n].description, "source": RECIPES[n].source,
-                        "min_compute_capability": list(RECIPES[n].min_cc),
-                        "torchao_recipe": RECIPES[n].torchao_recipe} for n in r.recipes},
-        "budget": {"max_local_rel_error": budget_rel_error,
-                   "rule": "a layer meets the budget under a recipe when both its local output rel_l2 and its "
-                           "per-token rel_l2 are at most this"},
-        "loss_fp32": r.loss_fp32,
-        "loss": r.losses,
-        "output_error": {k: _metrics(v) for k, v in r.output_error.items()},
-        "history_steps": r.history_steps,
-        "layers": layers,
-        "notes": r.notes,
-        "errors": r.errors,
-        "other_gemms": other_gemms_dict(r.other_gemms, budget_rel_error, r.recipes),
-    }
+def _layer_recipe(res: RecipeLayerResult, budget_rel_error: float) -> Fp8LayerRecipe:
+    local_out = res.local.get("output")
+    worst = max(local_out.rel_l2 if local_out else 0.0, res.local_token.rel_l2)
+    return Fp8LayerRecipe(
+        local=_metrics(res.local),
+        local_per_token_rel_l2=res.local_token.rel_l2,
+        local_worst_token_rel_l2=res.local_token.worst,
+        accumulated=_metrics(res.accumulated),
+        accumulated_per_token_rel_l2=res.accumulated_token.rel_l2,
+        operands={f"{g}.{role}": s.to_record() for (g, role), s in sorted(res.operands.items())},
+        loss_impact=res.loss_impact,
+        stale_steps=res.stale_steps or None,
+        meets_budget=bool(math.isfinite(worst) and worst <= budget_rel_error),
+    )
+
+
+def result_record(r: Fp8Result, budget_rel_error: float) -> Fp8:
+    """The ``fp8`` section of audit.json, measured (docs/fp8.md, "What is measured"); fp8/audit.py adds the plan."""
+    layers = [Fp8Layer(name=L.name, in_features=L.in_features, out_features=L.out_features, tokens=L.tokens,
+                       calls=L.calls, recipes={n: _layer_recipe(res, budget_rel_error) for n, res in L.recipes.items()})
+              for L in r.layers]
+    return Fp8(
+        recipes={n: Fp8RecipeInfo(description=RECIPES[n].description, source=RECIPES[n].source,
+                                  min_compute_capability=list(RECIPES[n].min_cc),
+                                  torchao_recipe=RECIPES[n].torchao_recipe) for n in r.recipes},
+        budget=Fp8Budget(max_local_rel_error=budget_rel_error,
+                         rule="a layer meets the budget under a recipe when both its local output rel_l2 and its "
+                              "per-token rel_l2 are at most this"),
+        loss_fp32=r.loss_fp32,
+        loss=r.losses,
+        output_error=_metrics(r.output_error),
+        history_steps=r.history_steps,
+        layers=layers,
+        notes=r.notes,
+        errors=r.errors,
+        other_gemms=other_gemms_record(r.other_gemms, budget_rel_error, r.recipes),
+    )

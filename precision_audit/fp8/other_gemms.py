@@ -24,7 +24,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..capture.stats import ErrorStats
 from ..model_names import named_modules
-from .linear import Fp8State, OperandStats, finite_metrics
+from ..record.fp8 import Fp8OtherGemm, Fp8OtherGemmRecipe
+from .linear import Fp8State, OperandStats, metrics_record
 from .recipes import RECIPES
 
 log = logging.getLogger(__name__)
@@ -137,23 +138,22 @@ def measure_other_gemms(model: torch.nn.Module, run: Callable[[], Any], recipes:
     return list(catcher.found.values())
 
 
-def other_gemms_dict(gemms: list[OtherGemm], budget_rel_error: float, recipes: tuple[str, ...]) -> list[dict]:
+def other_gemms_record(gemms: list[OtherGemm], budget_rel_error: float,
+                       recipes: tuple[str, ...]) -> list[Fp8OtherGemm]:
     """audit.json's ``fp8.other_gemms`` (docs/fp8.md)."""
     out = []
     for g in gemms:
-        per: dict[str, Any] = {}
+        per: dict[str, Fp8OtherGemmRecipe] = {}
         for rname, e in g.recipes.items():
-            m = e.metrics()
-            rel = m.get("rel_l2")
-            per[rname] = {
-                "local": {"output": finite_metrics(m)},
-                "operands": {f"output.{role}": s.to_dict() for role, s in g.operands.get(rname, {}).items()},
-                "meets_budget": bool(isinstance(rel, float) and math.isfinite(rel) and rel <= budget_rel_error),
-            }
+            rel = e.metrics().get("rel_l2")
+            per[rname] = Fp8OtherGemmRecipe(
+                local={"output": metrics_record(e)},
+                operands={f"output.{role}": s.to_record() for role, s in g.operands.get(rname, {}).items()},
+                meets_budget=bool(isinstance(rel, float) and math.isfinite(rel) and rel <= budget_rel_error))
         for rname, why in NOT_MEASURED.items():
             if rname in recipes and rname not in per:
-                per[rname] = {"note": why}
-        out.append({"module": g.module, "op": g.op, "index": g.index, "a_shape": list(g.a_shape),
-                    "b_shape": list(g.b_shape), "calls": g.calls, "gemm_flops": g.flops, "recipes": per,
-                    "plan": NOT_PLANNED})
+                per[rname] = Fp8OtherGemmRecipe(note=why)
+        out.append(Fp8OtherGemm(module=g.module, op=g.op, index=g.index, a_shape=list(g.a_shape),
+                                b_shape=list(g.b_shape), calls=g.calls, gemm_flops=g.flops, recipes=per,
+                                plan=NOT_PLANNED))
     return out

@@ -22,6 +22,7 @@ from .. import host_rng
 from ..capture.stats import ErrorStats
 from ..gpus import GpuSpec
 from ..model_names import named_modules
+from ..record.fp8 import Fp8ModulePlan, Fp8PlanReport, Fp8Verified
 from .cost import LayerCost, layer_cost
 from .measure import Fp8Result, LayerResult
 from .recipes import RECIPES, supported
@@ -42,7 +43,7 @@ class ModuleChoice:
 class Fp8PlanResult:
     choices: dict[str, ModuleChoice]
     tokens_per_step: dict[str, int]
-    verified: dict | None = None  # loss and output error of the chosen set run together
+    verified: Fp8Verified | None = None  # loss and output error of the chosen set run together
     dropped: list[str] = field(default_factory=list)  # modules taken back to meet the model-level budget
 
     @property
@@ -65,17 +66,18 @@ class Fp8PlanResult:
             planned += t if t is not None else base
         return bf16 / planned if planned else None
 
-    def to_dict(self) -> dict:
-        return {
-            "modules": {n: {"recipe": c.recipe, "reason": c.reason, "gemm_flops": c.flops,
-                            "cost": {r: lc.to_dict() for r, lc in c.costs.items()}}
-                        for n, c in self.choices.items()},
-            "fp8_flop_share": self.fp8_flop_share(),
-            "estimated_linear_speedup_vs_bf16": self.estimated_speedup(),
-            "tokens_per_step": self.tokens_per_step,
-            "verified": self.verified,
-            "dropped_for_budget": self.dropped,
-        }
+    def to_record(self) -> Fp8PlanReport:
+        """audit.json's ``fp8.plan`` (docs/fp8.md, "The plan")."""
+        return Fp8PlanReport(
+            modules={n: Fp8ModulePlan(recipe=c.recipe, reason=c.reason, gemm_flops=c.flops,
+                                      cost={r: lc.to_record() for r, lc in c.costs.items()})
+                     for n, c in self.choices.items()},
+            fp8_flop_share=self.fp8_flop_share(),
+            estimated_linear_speedup_vs_bf16=self.estimated_speedup(),
+            tokens_per_step=self.tokens_per_step,
+            verified=self.verified,
+            dropped_for_budget=self.dropped,
+        )
 
 
 def _local_error(layer: LayerResult, recipe: str) -> float:
@@ -134,8 +136,8 @@ def plan_fp8(result: Fp8Result, target: GpuSpec, *, max_local_rel_error: float, 
         loss, oerr = verify(plan.modules)
         rel_loss = abs(loss - result.loss_fp32) / max(abs(result.loss_fp32), 1e-30)
         within = rel_loss <= max_loss_rel_change and oerr.rel_l2 <= max_output_rel_error
-        plan.verified = {"modules": dict(plan.modules), "loss": loss, "loss_rel_change": rel_loss,
-                         "output_rel_l2": oerr.rel_l2, "meets_budget": within}
+        plan.verified = Fp8Verified(modules=dict(plan.modules), loss=loss, loss_rel_change=rel_loss,
+                                    output_rel_l2=oerr.rel_l2, meets_budget=within)
         if within:
             break
         worst = max(plan.modules, key=lambda n: (impact.get(n, 0.0), n))

@@ -1,6 +1,7 @@
 """The audit's result as one typed record: :class:`AuditRecord`, built stage by stage (docs/record.md).
 
-Every section of audit.json is a dataclass here, with the attribute names audit.json uses for its keys
+Every section of audit.json is a dataclass here (the ``fp8`` section's in precision_audit/record/fp8.py, their
+common base :class:`Section` in record/section.py), with the attribute names audit.json uses for its keys
 (``ModelFacts.class_`` is the one exception: ``class`` in JSON). The record holds data only: it imports no
 stage, so the report and ``verify`` can read it without importing capture or analysis. Exactly one module turns
 it into audit.json and back: :mod:`precision_audit.record.codec` (``to_json`` / ``from_json``, validated
@@ -26,22 +27,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-#: Field metadata: the JSON key when it differs from the attribute name.
-def _key(name: str) -> Any:
-    return field(metadata={"key": name})
-
-
-@dataclass
-class Section:
-    """What every record shares: the keys of a hand-edited file this version has no field for (``extra``) and
-    the optional keys the file left out (``absent``); neither is set by an audit itself."""
-
-    extra: dict[str, Any] = field(default_factory=dict, kw_only=True, repr=False, compare=False,
-                                  metadata={"internal": True})
-    absent: frozenset[str] = field(default_factory=frozenset, kw_only=True, repr=False, compare=False,
-                                   metadata={"internal": True})
-
+from .fp8 import Fp8  # its parts: precision_audit/record/fp8.py
+from .section import Section, _key
 
 # --- run facts (audit.py: load -> hardware & target) -------------------------------------------------------
 
@@ -559,7 +546,7 @@ class AuditRecord(Section):
     verdict: Verdict
     warnings: list[str]
     #: FP8 recipes per linear layer, when an FP8 format was asked for (precision_audit/fp8/audit.py, docs/fp8.md).
-    fp8: dict[str, Any] | None = field(default=None, metadata={"omit_none": True})
+    fp8: Fp8 | None = field(default=None, metadata={"omit_none": True})
     #: How a distributed audit ran: ranks, parallelism, the batch split, memory per rank
     #: (precision_audit/distributed/run.py, docs/distributed.md); absent in a single-process audit.
     distributed: Distributed | None = field(default=None, metadata={"omit_none": True})

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import record as R
+from ..record.fp8 import Fp8, Fp8ModulePlan, Fp8PlanReport
 from .groups import Group, Grouping, Spread, compress_names, spread
 from .numbers import fmt_num, fmt_seconds, severity
 from .picks import alignment_findings, cost_times, output_gradient
@@ -262,21 +263,20 @@ def off_default(audit: R.AuditRecord, g: Grouping) -> list[tuple[str, list[str],
     return [(f, compress_names(names, g), len(names)) for f, names in by.items()]
 
 
-def _fp8_planned(audit: R.AuditRecord) -> dict[str, Mapping[str, Any]]:
+def _fp8_planned(audit: R.AuditRecord) -> dict[str, Fp8ModulePlan]:
     """audit.json ``fp8.plan.modules``: the linear layers the FP8 plan converts, with recipe and reason."""
-    f8: Any = audit.fp8 if isinstance(audit.fp8, Mapping) else {}
-    plan: Any = f8.get("plan")
-    mods: Any = plan.get("modules") if isinstance(plan, Mapping) else None
+    plan = audit.fp8.plan if isinstance(audit.fp8, Fp8) else None
+    mods = plan.modules if isinstance(plan, Fp8PlanReport) else None
     if not isinstance(mods, Mapping):
         return {}
-    return {str(n): m for n, m in mods.items() if isinstance(m, Mapping) and m.get("recipe")}
+    return {str(n): m for n, m in mods.items() if isinstance(m, Fp8ModulePlan) and m.recipe}
 
 
 def fp8_moves(audit: R.AuditRecord) -> list[tuple[str, str, str]]:
     """(module, recipe, reason) for each linear layer the FP8 plan converts (docs/fp8.md)."""
     out = []
     for n, m in _fp8_planned(audit).items():
-        recipe, reason = str(m["recipe"]), str(m.get("reason", ""))
+        recipe, reason = str(m.recipe), "" if m.reason is None else str(m.reason)
         out.append((n, recipe, reason.removeprefix(f"{recipe}: ")))
     return out
 

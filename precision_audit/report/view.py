@@ -6,7 +6,7 @@ layer ``alignment`` and ``cost``; ``summary.<format>.step_time.estimated_s``; to
 ``memory``, ``traces`` and ``verify``; the planner's fields in ``plan``) are None in the record when absent,
 and the view then carries the matching note ("not measured: <why>"): the record's ``*_note`` field, or a
 top-level ``<section>_note`` that a file may hold (kept in ``AuditRecord.extra``). What is a map by nature
-(the alignment findings, a format's memory columns, the ``fp8`` section) stays one (docs/record.md).
+(the alignment findings, a format's memory columns) stays one (docs/record.md).
 
 Example::
 
@@ -124,9 +124,9 @@ def build_view(audit: R.AuditRecord, policy: Mapping[str, Any] | None) -> dict[s
 
     view["memory"] = _memory_view(audit.memory) if isinstance(audit.memory, R.Memory) and given(audit.memory) else None
     view["memory_note"] = note_of(audit, "memory", "not measured: this audit.json has no memory figures")
-    from ..fp8.report import fp8_view  # the FP8 section (issue 16, docs/fp8.md): a map by nature
+    from ..fp8.report import fp8_view  # the FP8 section (issue 16, docs/fp8.md)
 
-    view["fp8"] = fp8_view({"fp8": audit.fp8} if audit.fp8 is not None else {})
+    view["fp8"] = fp8_view(audit.fp8)
 
     from .terminal import PROFILER_TAB, TRACES_WHEN
 

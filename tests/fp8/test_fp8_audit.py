@@ -16,10 +16,15 @@ MODEL = str(ROOT / "sample_models" / "fp8_outliers" / "model.py")
 
 
 @pytest.fixture(scope="module")
-def fp8_only(tmp_path_factory):
+def fp8_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8")
     run_audit(AuditOptions(model=MODEL, out=out, formats="fp8_e4m3", target="h100", steps=0))
-    return json.loads((out / "audit.json").read_text()), json.loads((out / "policy.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_only(fp8_out):
+    return json.loads((fp8_out / "audit.json").read_text()), json.loads((fp8_out / "policy.json").read_text())
 
 
 def test_fp8_section_in_audit_json(fp8_only):
@@ -85,3 +90,22 @@ def test_the_fp8_stage_puts_every_cuda_generator_back():
         after = torch.cuda.get_rng_state_all()
         assert all(torch.equal(a, b) for a, b in zip(before, after)), "a CUDA generator was left reseeded"
         assert torch.equal(torch.get_rng_state(), cpu_before)
+
+
+def test_a_saved_fp8_audit_renders_again_and_diffs(fp8_out, tmp_path, capsys):
+    """``precision-audit report`` and ``diff`` read the saved audit.json back, its fp8 section typed: the page is
+    the audit's own apart from its timestamp, and an audit compared with itself changed nothing."""
+    import re
+
+    from precision_audit.cli.diff import diff_main
+    from precision_audit.cli.report import report_main
+
+    (tmp_path / "policy.json").write_text((fp8_out / "policy.json").read_text())
+    assert report_main([str(fp8_out / "audit.json"), "--out", str(tmp_path), "--quiet"]) == 0
+    stamp = re.compile(r'<time id="generated"[^>]*>[^<]*</time>')
+    again = (tmp_path / "report.html").read_text()
+    assert stamp.sub("", again) == stamp.sub("", (fp8_out / "report.html").read_text())
+    assert '<section id="fp8"' in again and ">channels<" in again
+    capsys.readouterr()
+    assert diff_main([str(fp8_out), str(fp8_out / "audit.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["changed"] == []

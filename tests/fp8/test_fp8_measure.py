@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT
 from precision_audit.fp8.linear import Fp8State, fp8_linear, patched
-from precision_audit.fp8.measure import measure_fp8, result_dict
+from precision_audit.fp8.measure import measure_fp8, result_record
 from precision_audit.fp8.recipes import RECIPES
 
 try:
@@ -76,43 +76,43 @@ def planted():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     r = measure_fp8(model, lambda m: m(x), lambda o: mod.loss_fn(o, (x, t)),
                     ("fp8_tensorwise", "fp8_rowwise", "mxfp8", "fp8_delayed"), history_steps=2)
-    return mod, model, (x, t), before, result_dict(r, 0.05)
+    return mod, model, (x, t), before, result_record(r, 0.05)
 
 
 def _rec(d, layer, recipe):
-    return next(L for L in d["layers"] if L["name"] == layer)["recipes"][recipe]
+    return next(L for L in d.layers if L.name == layer).recipes[recipe]
 
 
 def test_planted_tensorwise_fails_on_both_layers(planted):
     d = planted[4]
     tok = _rec(d, "tokens", "fp8_tensorwise")
     ch = _rec(d, "channels", "fp8_tensorwise")
-    assert not tok["meets_budget"] and not ch["meets_budget"]
+    assert not tok.meets_budget and not ch.meets_budget
     # outlier tokens hide in the whole-tensor error; the per-token error shows the ordinary tokens lost
-    assert tok["local"]["output"]["rel_l2"] < 0.05 < 0.3 < tok["local_per_token_rel_l2"]
-    assert ch["local"]["output"]["rel_l2"] > 0.3
+    assert tok.local["output"].rel_l2 < 0.05 < 0.3 < tok.local_per_token_rel_l2
+    assert ch.local["output"].rel_l2 > 0.3
     # why: the per-tensor scale is set by the outliers and the rest flushes to zero
-    assert tok["operands"]["output.input"]["flushed_share"] > 0.5
-    assert ch["operands"]["output.input"]["flushed_share"] > 0.5
+    assert tok.operands["output.input"].flushed_share > 0.5
+    assert ch.operands["output.input"].flushed_share > 0.5
     # the scale chosen is fp8_max / amax
     x = planted[2][0]
-    assert tok["operands"]["output.input"]["scale_max"] == pytest.approx(448.0 / float(x.abs().max()), rel=1e-6)
+    assert tok.operands["output.input"].scale_max == pytest.approx(448.0 / float(x.abs().max()), rel=1e-6)
 
 
 def test_planted_rowwise_repairs_only_the_outlier_tokens(planted):
     d = planted[4]
     tok = _rec(d, "tokens", "fp8_rowwise")
     ch = _rec(d, "channels", "fp8_rowwise")
-    assert tok["meets_budget"] and tok["local_per_token_rel_l2"] < 0.05
-    assert tok["operands"]["output.input"]["flushed_share"] < 1e-3  # only values near 0 of a Gaussian
-    assert not ch["meets_budget"] and ch["local"]["output"]["rel_l2"] > 0.3
+    assert tok.meets_budget and tok.local_per_token_rel_l2 < 0.05
+    assert tok.operands["output.input"].flushed_share < 1e-3  # only values near 0 of a Gaussian
+    assert not ch.meets_budget and ch.local["output"].rel_l2 > 0.3
 
 
 def test_planted_mxfp8_and_bf16_fine_for_outlier_channels(planted):
     mod, model, (x, _), _, d = planted
     ch = _rec(d, "channels", "mxfp8")
-    assert ch["meets_budget"] and ch["local"]["output"]["rel_l2"] < 0.05
-    assert ch["operands"]["output.input"]["saturated_share"] == 0.0
+    assert ch.meets_budget and ch.local["output"].rel_l2 < 0.05
+    assert ch.operands["output.input"].saturated_share == 0.0
     # BF16, as the audit's emulated CUDA autocast computes it, on the same inputs
     from precision_audit.capture.stats import ErrorStats
     from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast
@@ -131,14 +131,14 @@ def test_planted_mxfp8_and_bf16_fine_for_outlier_channels(planted):
 def test_planted_ordinary_layer_is_fine_in_fp8(planted):
     d = planted[4]
     for r in ("fp8_tensorwise", "fp8_rowwise", "mxfp8"):
-        assert _rec(d, "head", r)["meets_budget"]
+        assert _rec(d, "head", r).meets_budget
 
 
 def test_delayed_scaling_reports_stale_steps(planted):
     d = planted[4]
     # step 0 runs at TE's initial scale 1: the 2^17 outlier inputs saturate it; later steps use the history
-    assert _rec(d, "tokens", "fp8_delayed")["stale_steps"]["input"] == [0]
-    assert _rec(d, "head", "fp8_delayed")["stale_steps"]["input"] == []
+    assert _rec(d, "tokens", "fp8_delayed").stale_steps["input"] == [0]
+    assert _rec(d, "head", "fp8_delayed").stale_steps["input"] == []
 
 
 def test_model_is_put_back(planted):

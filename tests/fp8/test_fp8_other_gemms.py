@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from precision_audit.capture.stats import ErrorStats
 from precision_audit.fp8 import quant as Q
-from precision_audit.fp8.measure import measure_fp8, result_dict
+from precision_audit.fp8.measure import measure_fp8, result_record
 from precision_audit.fp8.other_gemms import NOT_PLANNED
+from precision_audit.record.fp8 import Fp8PlanReport
 
 OUTLIER = 2.0 ** 12
 
@@ -66,11 +67,11 @@ def test_matmul_and_bmm_are_measured_per_module_and_refused_in_the_plan():
     # row (rowwise) does not
     tw, rw = bmm.operands["fp8_tensorwise"]["a"], bmm.operands["fp8_rowwise"]["a"]
     assert tw.flushed > 10 * max(rw.flushed, 1)
-    d = result_dict(r, 0.05)["other_gemms"]
-    assert [(o["module"], o["op"]) for o in d] == [("attn", "bmm"), ("attn", "matmul")]
-    assert all(o["plan"] == NOT_PLANNED for o in d)
-    assert d[0]["recipes"]["fp8_delayed"]["note"].startswith("not measured")
-    assert d[0]["recipes"]["fp8_tensorwise"]["operands"]["output.a"]["flushed"] == tw.flushed
+    d = result_record(r, 0.05).other_gemms
+    assert [(o.module, o.op) for o in d] == [("attn", "bmm"), ("attn", "matmul")]
+    assert all(o.plan == NOT_PLANNED for o in d)
+    assert d[0].recipes["fp8_delayed"].note.startswith("not measured")
+    assert d[0].recipes["fp8_tensorwise"].operands["output.a"].flushed == tw.flushed
     assert [L.name for L in r.layers] == ["attn.qkv", "head"]
 
 
@@ -78,7 +79,7 @@ def test_a_model_without_functional_gemms_has_none():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     x = torch.randn(8, 16)
     r = measure_fp8(model, lambda m: m(x), lambda o: o.square().mean(), ("fp8_tensorwise",), history_steps=1)
-    assert r.other_gemms == [] and result_dict(r, 0.05)["other_gemms"] == []
+    assert r.other_gemms == [] and result_record(r, 0.05).other_gemms == []
 
 
 def test_report_lists_them_in_the_fp8_section():
@@ -88,9 +89,11 @@ def test_report_lists_them_in_the_fp8_section():
     x = torch.randn(2, 16, 32)
     r = measure_fp8(model, lambda m: m(x), lambda o: o.square().mean(), ("fp8_tensorwise", "mxfp8"),
                     history_steps=1)
-    section = result_dict(r, 0.05)
-    section["plan"] = {"modules": {}, "fp8_flop_share": 0.0, "tokens_per_step": {"attn.qkv": 4096, "head": 4096}}
-    v = fp8_view({"fp8": section})
+    section = result_record(r, 0.05)
+    section.plan = Fp8PlanReport(modules={}, fp8_flop_share=0.0, estimated_linear_speedup_vs_bf16=None,
+                                 tokens_per_step={"attn.qkv": 4096, "head": 4096}, verified=None,
+                                 dropped_for_budget=[])
+    v = fp8_view(section)
     assert v is not None and v["tokens_per_step"] == "4096"
     assert [row["name"] for row in v["other"]] == ["attn bmm #0", "attn matmul #0"]
     assert v["other"][0]["shape"] == "2x16x32 @ 2x32x16"

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from precision_audit.fp8.measure import measure_fp8, result_dict
+from precision_audit.fp8.measure import measure_fp8, result_record
 from precision_audit.fp8.plan import make_verifier, plan_fp8
 from precision_audit.gpus import resolve_target
 
@@ -66,13 +66,13 @@ def test_plan_on_h100(planned):
     ch = plan.choices["channels"].reason
     assert "kept" in ch and "fp8_rowwise: local error" in ch
     assert "not worth converting" in plan.choices["head"].reason
-    assert plan.verified["meets_budget"] and plan.verified["modules"] == plan.modules
+    assert plan.verified is not None and plan.verified.meets_budget and plan.verified.modules == plan.modules
     assert 0.6 < plan.fp8_flop_share() < 0.7  # two of the three large layers (head is 1/32 of one)
     assert plan.estimated_speedup() > 1.0
     # MXFP8 meets the budget on the outlier-channel layer: a CC 10.x target could take it there
-    d = result_dict(r, 0.05)
-    ch = next(L for L in d["layers"] if L["name"] == "channels")["recipes"]
-    assert ch["mxfp8"]["meets_budget"] and not ch["fp8_rowwise"]["meets_budget"]
+    d = result_record(r, 0.05)
+    ch = next(L for L in d.layers if L.name == "channels").recipes
+    assert ch["mxfp8"].meets_budget and not ch["fp8_rowwise"].meets_budget
 
 
 def test_plan_without_fp8_tensor_cores_converts_nothing(planned):
