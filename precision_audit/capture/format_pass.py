@@ -35,7 +35,14 @@ class FormatPasses(SessionState):
     """The low-precision passes of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
     def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
-        """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""
+        """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised. The
+        one door into a format pass: over ranks, its statistics are every rank's once it returns (capture/ranks.py)."""
+        with self.ranks.format_pass(fmt) as started:
+            run = self._format_pass(fmt, loss_scale)
+        self.ranks.format_done(fmt, loss_scale, run, started, self.layers, self.layers.get(id(self.model)))
+        return run
+
+    def _format_pass(self, fmt: Format, loss_scale: float) -> RunRecord:
         if fmt not in self._after_reference:  # the reference pass's figures, for forget_format_pass
             self._after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt]) for mid, rec in self.layers.items()
                                           if fmt in rec.formats}
@@ -109,6 +116,8 @@ class FormatPasses(SessionState):
                 added, shared = self._grad_nonfinite(p, p.grad)
                 run.param_grads_nonfinite += added
                 run.param_grads_nonfinite_shared += shared
+        # those taken from the backward as they arrived, over ranks (capture/ranks.py)
+        self.ranks.grads_nonfinite_taken(fmt, run, self.layers, self._modules)
 
     def _grad_nonfinite(self, p: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
         """(non-finite elements of ``p``'s gradient where FP32's is finite, those where FP32's is not finite too)."""

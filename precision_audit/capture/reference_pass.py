@@ -108,7 +108,14 @@ class ReferencePass(SessionState):
     """The FP32 reference pass of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
     def reference_run(self) -> RunRecord:
-        """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
+        """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails. Over ranks,
+        its statistics are every rank's once it returns (capture/ranks.py)."""
+        with self.ranks.reference_pass(self._impacts_only):
+            run = self._reference_pass()
+        self.grad_all = self.ranks.reference_done(list(self.layers.values()), self.grad_all)
+        return run
+
+    def _reference_pass(self) -> RunRecord:
         self._reset()
         self._batch_tensors, self._batch_call_records, self._grad_edges = {}, {}, []
         if not self._impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
@@ -165,7 +172,7 @@ class ReferencePass(SessionState):
                 "torch.utils.checkpoint, which the audit runs non-reentrant: docs/memory.md): the modules inside "
                 "those segments have no gradient ranges and no first-order loss impacts; use "
                 "torch.utils.checkpoint or turn the library's checkpointing off for the audit")
-        if not (self._impacts_only and self._outputs_only_backward) or self._views_rebased or reentrant:
+        if not (self._impacts_only and self.ranks.outputs_only_backward) or self._views_rebased or reentrant:
             loss.backward()
         elif edges:
             torch.autograd.grad(loss, edges, allow_unused=True)
@@ -200,6 +207,8 @@ class ReferencePass(SessionState):
                 self.grad_all.merge(h)
                 if h.nonfinite:
                     self._ref_grad_nonfinite[id(p)] = nonfinite_where(owned_part(p.grad).detach())
+        # those taken from the backward as they arrived, over ranks (capture/ranks.py)
+        self.ranks.param_grads_taken(self.layers, self._modules, self.grad_all, self._ref_grad_nonfinite)
 
     def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
         """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a
@@ -266,7 +275,7 @@ class ReferencePass(SessionState):
         """A :class:`BatchCall` when every tensor argument of this call is one of the batch's, unchanged, and the
         format passes can stand in for its re-runs (emulated mode, one process, no mutable objects in the call)."""
         rng, snapshot = pre_rng.rng, pre_rng.snapshot
-        if not self._batch_calls or self.config.mode != "emulated" or snapshot is not None:
+        if not self.ranks.batch_calls or self.config.mode != "emulated" or snapshot is not None:
             return None
         ts = _tensors_in((args, kwargs))
         for t in ts:
@@ -289,6 +298,10 @@ class ReferencePass(SessionState):
                 self._out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
 
     def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
+        """:meth:`_rerun_alone`, as the ranks run it (capture/ranks.py)."""
+        return self.ranks.local_rerun(rec, ys, lambda: self._rerun_alone(m, rec, args, kwargs, ys, pre))
+
+    def _rerun_alone(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[Kept]] = {}

@@ -57,6 +57,7 @@ from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
 from .output_grads import OutputGradHooks
+from .ranks import GradHook, Ranks, tensor_key
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
 from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
 from .reference_store import Kept, ReferenceStore, release_free_heap
@@ -84,13 +85,6 @@ class CaptureSession(ReferencePass, FormatPasses):
             result = s.result()
     """
 
-    #: whether a module called on the batch itself takes its local error from the format passes instead of a
-    #: re-run (capture/reference_pass.py, BatchCall); the distributed session, which adds up the re-runs' figures
-    #: over ranks after the reference pass, keeps the re-runs
-    _batch_calls = True
-    #: whether the second order's backward asks for the module outputs' gradients only (capture/reference_pass.py,
-    #: _reference_backward); the distributed session's FSDP2 hooks need every parameter's gradient
-    _outputs_only_backward = True
     #: each forward's saved-tensor counter, until its pass is over: then its saved tensors are let go, so that a
     #: graph no backward freed goes too (capture/memory.py, _Saved)
     _counters: list[SavedTensorCounter]
@@ -102,8 +96,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         loss_of: Callable[[Any], torch.Tensor],
         config: CaptureConfig,
         progress: Callable[[str], None] | None = None,
+        *,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = config
+        # what an audit split over ranks changes (capture/ranks.py); one process: nothing
+        self.ranks = ranks if ranks is not None else Ranks()
         self._forward = forward
         self._loss_of = loss_of
         self._progress = progress or (lambda msg: None)
@@ -159,6 +157,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._clone_cache: dict[int, tuple[weakref.ref, int, Kept]] = {}
         # the reference's kept tensors: on the host on a GPU, in a temporary file on a CPU (reference_store.py)
         self._refs = ReferenceStore(config.device)
+        self.ranks.bind(self.calls, self._refs, self._grad_nonfinite)
         self._stat_cache: dict[tuple, tuple[weakref.ref, Any]] = {}  # per pass, weakly keyed by the tensors
         self._loss_scale = 1.0
         # reference pass: which module produced each output tensor (by identity and version), and the loss
@@ -279,6 +278,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self._producers.clear()
         self._loss_ref = None
         release_free_heap()  # the last pass's freed activations, back to the system (capture/reference_store.py)
+        self.ranks.reset()
 
     def _rng_state(self) -> RngState:
         cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
@@ -387,15 +387,15 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     # A module's output is often its parent's too (a Sequential returns its last child's output): statistics of
     # one tensor are computed once per pass and merged into every record that sees it.
-    @staticmethod
-    def _tensor_key(t: Kept) -> tuple:
-        return (id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype)
-
     def _cached(self, kind: str, tensors: tuple[Kept, ...], make: Callable[[], Any],
                 operands: Callable[[], tuple[torch.Tensor, ...]] | None = None) -> Any:
         """``make()``'s statistics object for these tensors, computed once per pass (from ``operands()`` when
         given: the same values, where the statistic reads them)."""
-        key = (kind, *(self._tensor_key(t) for t in tensors))
+        # a tensor every rank holds alike is counted on one (capture/ranks.py); asked on every rank, in every pass
+        if self._phase is not None and not self.ranks.counted_here(
+                tensors[-1], lambda: f"a {kind} statistic of {self._where()}"):
+            return make()
+        key = (kind, *(tensor_key(t) for t in tensors))
         hit = self._stat_cache.get(key)
         if hit is None or hit[0]() is not tensors[-1]:
             stats = make()
@@ -404,6 +404,10 @@ class CaptureSession(ReferencePass, FormatPasses):
             # end, activations a training step frees as it goes (a dead one is a miss: its id may be reused)
             hit = self._stat_cache[key] = (weakref.ref(tensors[-1]), stats)
         return hit[1]
+
+    def _where(self) -> str:
+        """The module call running now, for a message."""
+        return f"'{self._names.get(self.calls.stack[-1], '?') or '(root)'}'" if self.calls.stack else "the model"
 
     def _hist_of(self, t: torch.Tensor) -> MagnitudeHistogram:
         return self._cached("hist", (t,), MagnitudeHistogram)
@@ -431,6 +435,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             return
         if self._phase is None or self.calls.rerunning:
             return
+        self.ranks.module_called(self._names.get(id(m), "?") or "(root)")
         with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
             self.calls.stack.append(id(m))
             self.calls.own_ops.append(0)
@@ -465,6 +470,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         own_work = self.calls.own_work.pop()
         pre_rng = self._pre_rng.pop()
         ys = float_tensors(output)
+        self.ranks.outputs(self._names.get(id(m), "?") or "(root)", ys)
         if self._batch_sink is not None:  # the second order's format forward: calls on the batch only
             self._post_batch_only(m, args, kwargs, pre_rng, ys)
             return
@@ -521,7 +527,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         return out, loss
 
     def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, Kept] | None = None,
-                   own: tuple[int, Any] | None = None):
+                   own: tuple[int, Any] | None = None) -> GradHook:
+        """The hook of one of ``rec``'s outputs, as the ranks make it (capture/ranks.py) from :meth:`_own_grad_hook`."""
+        return self.ranks.grad_hook(rec, diffs, own, self._own_grad_hook)
+
+    def _own_grad_hook(self, rec: LayerRecord, diffs: dict[Format, Kept] | None = None,
+                       own: tuple[int, Any] | None = None) -> GradHook:
         """``own``: (slot, weak reference to the tensor) when ``rec`` produced it (reference pass)."""
         phase = self._phase
 

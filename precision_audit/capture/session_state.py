@@ -12,15 +12,16 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..formats import Format
 from ..host_rng import HostRng
-from .ops import ModuleOps
+from .calls import CallStack
 from .output_grads import OutputGradHooks
+from .ranks import Ranks
 from .records import LayerRecord, RunRecord
 from .reference_store import Kept, ReferenceStore
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
@@ -28,22 +29,6 @@ from .user_autocast import UserAutocast
 
 # torch's CPU generator, the device's CUDA generator (cuda mode), Python's and NumPy's (precision_audit/host_rng.py)
 RngState = tuple[torch.Tensor, torch.Tensor | None, HostRng]
-
-
-@dataclass
-class CallStack:
-    """The module calls running now, and the ops each has run itself: the session's hooks push and pop the calls
-    (capture/session.py), the reference forward's op tracker counts each op under the innermost one
-    (capture/op_tracker.py). The session owns it and hands it to the tracker, which sees nothing else of it."""
-
-    names: dict[int, str]  # id(module) -> its named_modules() name
-    modules: dict[int, torch.nn.Module]
-    layer: Callable[[torch.nn.Module], LayerRecord]  # the module's record, made on its first call
-    stack: list[int] = field(default_factory=list)  # id(module) of each call running, innermost last
-    own_ops: list[int] = field(default_factory=list)  # per call on the stack: the ops it ran itself
-    own_work: list[int] = field(default_factory=list)  # per call on the stack: its own ops other than additions
-    rerunning: bool = False  # a module is being re-run alone: its ops are not the model's
-    outside_ops: ModuleOps = field(default_factory=ModuleOps)  # the ops outside every module (the loss)
 
 
 @dataclass
@@ -71,6 +56,7 @@ class SessionState:
     grad_all: MagnitudeHistogram
     reference: RunRecord | None
     runs: dict[Format, RunRecord]
+    ranks: Ranks  # what an audit split over ranks changes (capture/ranks.py)
 
     _forward: Callable[[torch.nn.Module], Any]
     _loss_of: Callable[[Any], torch.Tensor]
@@ -82,8 +68,6 @@ class SessionState:
     _impacts_only: bool  # the second reduction order's repeat: loss impacts only (docs/performance.md)
     _call_ops: dict[tuple[int, int], tuple[int, int]]  # each call's op counts from the first pass
     _call_index: dict[int, int]
-    _batch_calls: bool
-    _outputs_only_backward: bool
     _batch_tensors: dict[int, tuple[torch.Tensor, int]]
     _batch_call_records: dict[tuple[int, int], Any]  # (module, call) -> BatchCall (capture/reference_pass.py)
     _batch_sink: dict[str, dict[Format, float]] | None

@@ -12,6 +12,7 @@ from conftest import ROOT
 from precision_audit.audit import SubjectRun, load_subject, set_up
 from precision_audit.capture import op_tracker, reference_pass
 from precision_audit.capture.noise import second_order_impacts
+from precision_audit.capture.ranks import Ranks
 from precision_audit.capture.reference_pass import _diff_bf16
 from precision_audit.capture.session import CaptureConfig, CaptureSession
 from precision_audit.options import AuditOptions
@@ -202,7 +203,7 @@ def test_the_second_orders_backward_asks_for_the_outputs_gradients_only(monkeypa
     monkeypatch.setattr(torch.autograd, "grad", spy)
 
     def impacts(outputs_only: bool):
-        monkeypatch.setattr(CaptureSession, "_outputs_only_backward", outputs_only)
+        monkeypatch.setattr(Ranks, "outputs_only_backward", outputs_only)
         torch.manual_seed(0)
         model, ids = _Awkward(reentrant, view), torch.randint(0, 32, (4, 8))
         with CaptureSession(model, lambda m: m(ids), lambda y: y.pow(2).mean(),
