@@ -82,7 +82,7 @@ def main() -> None:
             for before in ((True, False) if r % 2 == 0 else (False, True)):
                 tag = "before" if before else "after"
                 _variant(s, before)
-                s.layers, s._ref_outputs = {}, {}
+                s.layers, s.state.ref_outputs = {}, {}
                 t0 = time.perf_counter()
                 s.reference_run()
                 times[f"ref {tag}"].append(time.perf_counter() - t0)

@@ -327,7 +327,6 @@ def test_the_private_read_finder_finds_them(tmp_path):
     assert sorted(found) == ["s._state", "s.calls._stack", "super()._hook"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: capture/noise.py and distributed/session.py still read them")
 def test_no_capture_part_reads_another_class_private_names():
     bad = [line for path in PRIVATE_READ_SCOPE for line in _private_reads(path)]
     assert not bad, f"{len(bad)} reads of another object's private names:\n" + "\n".join(bad)

@@ -110,23 +110,23 @@ class ReferencePass(SessionState):
     def reference_run(self) -> RunRecord:
         """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails. Over ranks,
         its statistics are every rank's once it returns (capture/ranks.py)."""
-        with self.ranks.reference_pass(self._impacts_only):
+        with self.ranks.reference_pass(self.state.impacts_only):
             run = self._reference_pass()
         self.grad_all = self.ranks.reference_done(list(self.layers.values()), self.grad_all)
         return run
 
     def _reference_pass(self) -> RunRecord:
         self._reset()
-        self._batch_tensors, self._batch_call_records, self._grad_edges = {}, {}, []
-        if not self._impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
+        self._batch_tensors, self.state.batch_call_records, self._grad_edges = {}, {}, []
+        if not self.state.impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
             self._after_reference, self._pass_draw_mismatches = {}, {}
-        self._phase = "ref"
+        self.state.phase = "ref"
         t0 = time.perf_counter()
         try:
             try:
                 out, loss = self._run(None)
-                if self._on_reference_output is not None:  # the noise floor's FP32 forward (capture/noise.py)
-                    self._on_reference_output(out, loss)
+                if self.state.on_reference_output is not None:  # the noise floor's FP32 forward (capture/noise.py)
+                    self.state.on_reference_output(out, loss)
             except RunFailure as f:
                 raise ModelRunError(
                     f"the model raised {type(f.error).__name__} in its FP32 forward pass: {f.error}",
@@ -136,7 +136,7 @@ class ReferencePass(SessionState):
             lval = float(loss.detach().float())
             self._check_finite_reference(out, loss, lval)
             _check_loss_has_graph(loss)
-            self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
+            self.state.phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
             try:
                 with self._fp32_reference_switches():
                     self._reference_backward(loss)
@@ -150,10 +150,10 @@ class ReferencePass(SessionState):
                 raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
                                     hint=hint) from e
         finally:
-            self._phase = None
-        if not self._impacts_only:
+            self.state.phase = None
+        if not self.state.impacts_only:
             self._param_grad_histograms()
-        self._clone_cache.clear()
+        self.state.clone_cache.clear()
         self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
         return self.reference
@@ -166,13 +166,13 @@ class ReferencePass(SessionState):
         backward."""
         edges, self._grad_edges = self._grad_edges, []
         reentrant = _reentrant_checkpoint(loss)
-        if reentrant and not self._impacts_only and not any("reentrant autograd" in w for w in self.warnings):
+        if reentrant and not self.state.impacts_only and not any("reentrant autograd" in w for w in self.warnings):
             self.warnings.append(
                 "the model checkpoints activations with a reentrant autograd function of its own (not "
                 "torch.utils.checkpoint, which the audit runs non-reentrant: docs/memory.md): the modules inside "
                 "those segments have no gradient ranges and no first-order loss impacts; use "
                 "torch.utils.checkpoint or turn the library's checkpointing off for the audit")
-        if not (self._impacts_only and self.ranks.outputs_only_backward) or self._views_rebased or reentrant:
+        if not (self.state.impacts_only and self.ranks.outputs_only_backward) or self._views_rebased or reentrant:
             loss.backward()
         elif edges:
             torch.autograd.grad(loss, edges, allow_unused=True)
@@ -206,9 +206,9 @@ class ReferencePass(SessionState):
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
                 if h.nonfinite:
-                    self._ref_grad_nonfinite[id(p)] = nonfinite_where(owned_part(p.grad).detach())
+                    self.state.ref_grad_nonfinite[id(p)] = nonfinite_where(owned_part(p.grad).detach())
         # those taken from the backward as they arrived, over ranks (capture/ranks.py)
-        self.ranks.param_grads_taken(self.layers, self._modules, self.grad_all, self._ref_grad_nonfinite)
+        self.ranks.param_grads_taken(self.layers, self._modules, self.grad_all, self.state.ref_grad_nonfinite)
 
     def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
         """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a
@@ -229,7 +229,7 @@ class ReferencePass(SessionState):
                 hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
     def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
-        if self._impacts_only:
+        if self.state.impacts_only:
             # the repeat at the second order: no op tracker ran; the first pass's counts of the same call
             own_ops, own_work = self._call_ops.get((id(m), rec.calls), (own_ops, own_work))
         else:
@@ -238,10 +238,10 @@ class ReferencePass(SessionState):
         rec.own_ops += own_ops
         if rec.calls == 1:
             rec.output_shapes = [list(y.shape) for y in ys]
-        if not self._impacts_only:  # histograms and FP32 references: the first pass's records only
+        if not self.state.impacts_only:  # histograms and FP32 references: the first pass's records only
             for y in ys:
                 rec.activation.merge(self._hist_of(y))
-            self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
+            self.state.ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
         computes = own_ops > 0
         rec.computes = rec.computes or computes
         # A container whose own work in this call is additions only (a residual add) is not re-run: its local
@@ -286,13 +286,13 @@ class ReferencePass(SessionState):
                          user_region=pre_rng.user_region, attributes=pre_rng.attributes)
 
     def _defer_to_format_passes(self, m, rec: LayerRecord, call: BatchCall, ys) -> None:
-        self._batch_call_records[(id(m), rec.calls - 1)] = call
+        self.state.batch_call_records[(id(m), rec.calls - 1)] = call
         for fmt in self.config.formats:
             fs = rec.formats[fmt]
             if fs.local is None:
                 fs.local_note = batch_call_note(fmt)
-        if self._impacts_only:
-            call.refs = [self._refs.keep(y) for y in ys]
+        if self.state.impacts_only:
+            call.refs = [self.state.refs.keep(y) for y in ys]
         for i, y in enumerate(ys):
             if y.requires_grad:
                 self._out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
@@ -344,14 +344,14 @@ class ReferencePass(SessionState):
                     fs.local_note = None
                 finite: list[bool | None] = []
                 for y, p in zip(ys, ps):
-                    if self._impacts_only:  # the second order's local errors are not read (capture/noise.py)
+                    if self.state.impacts_only:  # the second order's local errors are not read (capture/noise.py)
                         finite.append(None)
                         continue
                     before = fs.local.ref_nonfinite
                     fs.local.update(y, p)
                     finite.append(fs.local.ref_nonfinite == before)
                 if any(y.requires_grad for y in ys):
-                    diffs[fmt] = [self._refs.stash(_diff_bf16(y.detach(), p.detach(), ok))
+                    diffs[fmt] = [self.state.refs.stash(_diff_bf16(y.detach(), p.detach(), ok))
                                   for y, p, ok in zip(ys, ps, finite)]
         finally:
             put_attributes_back(attributes)
@@ -394,7 +394,7 @@ class ReferencePass(SessionState):
         would be (same bf16 difference, same product); ``local``: also merge the outputs into this local error."""
         impacts = []
         for i, (r, p) in enumerate(zip(refs, ps)):
-            y = self._refs.on(r, p)
+            y = self.state.refs.on(r, p)
             finite: bool | None = None
             if local is not None:
                 before = local.ref_nonfinite
@@ -423,10 +423,10 @@ class ReferencePass(SessionState):
     def _reference_grad(self, rec: LayerRecord, g: torch.Tensor, diffs: dict[Format, Kept] | None,
                         own: tuple[int, Any] | None) -> None:
         """dL/dy of one output in the FP32 backward: its histogram, and each format's first-order loss impact."""
-        if not self._impacts_only:  # the repeat at the second order: histograms are the first pass's records
+        if not self.state.impacts_only:  # the repeat at the second order: histograms are the first pass's records
             self._grad_histograms(rec, g, own)
         for f, d in (diffs or {}).items():
-            impact = dot64(g, self._refs.for_stats(d, g))
+            impact = dot64(g, self.state.refs.for_stats(d, g))
             fs = rec.formats[f]
             fs.loss_impact += impact
             fs.loss_impact_abs += abs(impact)

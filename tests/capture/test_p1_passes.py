@@ -106,7 +106,7 @@ def test_the_flag_is_off_after_the_repeat_even_when_it_fails(monkeypatch):
         monkeypatch.setattr(reference_pass.ReferencePass, "_local_rerun", boom)
         impacts, note = second_order_impacts(s, 2)
         assert impacts is None and "boom" in note
-        assert s._impacts_only is False
+        assert s.state.impacts_only is False
 
 
 class _Wide(torch.nn.Module):
@@ -151,7 +151,7 @@ def test_the_noise_floors_fp32_forward_is_the_repeats_own(monkeypatch):
                     s.format_run(f)
                 nf = measure_noise_floor(s, s.config.formats)
                 # kept as the references are (a file on a CPU): read back while the session is open
-                outputs = [s._refs.on(o, x).tolist() for o in nf.outputs or []]
+                outputs = [s.state.refs.on(o, x).tolist() for o in nf.outputs or []]
         finally:
             monkeypatch.setattr(noise, "second_order_impacts", real)
         return (nf.reference_loss, nf.loss_rel, nf.output_rel_error, nf.layers,
