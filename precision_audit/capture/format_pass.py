@@ -43,14 +43,14 @@ class FormatPasses(SessionState):
         return run
 
     def _format_pass(self, fmt: Format, loss_scale: float) -> RunRecord:
-        if fmt not in self._after_reference:  # the reference pass's figures, for forget_format_pass
-            self._after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt]) for mid, rec in self.layers.items()
+        if fmt not in self.state.after_reference:  # the reference pass's figures, for forget_format_pass
+            self.state.after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt]) for mid, rec in self.layers.items()
                                           if fmt in rec.formats}
         self._reset()
         self.state.phase = fmt
         run = RunRecord(format=fmt, loss_scale=loss_scale)
         t0 = time.perf_counter()
-        draws_before = self._draw_mismatches
+        draws_before = self.state.draw_mismatches
         try:
             out, loss = self._run(fmt)
             run.loss = float(loss.detach().float())
@@ -83,7 +83,7 @@ class FormatPasses(SessionState):
         run.wall_s = time.perf_counter() - t0
         self._stat_cache.clear()
         self.runs[fmt] = run
-        self._pass_draw_mismatches[fmt] = self._draw_mismatches - draws_before
+        self.state.pass_draw_mismatches[fmt] = self.state.draw_mismatches - draws_before
         return run
 
     def forget_format_pass(self, fmt: Format) -> None:
@@ -92,11 +92,11 @@ class FormatPasses(SessionState):
         errors and loss impacts, a call on the batch's note); what the format pass adds (its own figures, the local
         error and impact of calls on the batch: BatchCall) is measured again. In cuda mode its draw mismatches
         are taken back out of the warning's count."""
-        after = self._after_reference.get(fmt, {})
+        after = self.state.after_reference.get(fmt, {})
         for mid, rec in self.layers.items():
             if fmt in rec.formats:
                 rec.formats[fmt] = copy.deepcopy(after[mid]) if mid in after else FormatLayerStats()
-        self._draw_mismatches -= self._pass_draw_mismatches.pop(fmt, 0)
+        self.state.draw_mismatches -= self.state.pass_draw_mismatches.pop(fmt, 0)
 
     def _count_grad_nonfinite(self, fmt: Format, run: RunRecord) -> None:
         """Non-finite parameter-gradient elements of this pass, per owning module and in all (FP32's own apart)."""
@@ -169,8 +169,8 @@ class FormatPasses(SessionState):
         assert isinstance(fmt, Format)
         fs = rec.formats.setdefault(fmt, FormatLayerStats())
         fs.calls += 1
-        k = self._call_index.get(id(m), 0)
-        self._call_index[id(m)] = k + 1
+        k = self.state.call_index.get(id(m), 0)
+        self.state.call_index[id(m)] = k + 1
         for y in ys:
             fs.activation.merge(self._summary_of(y))
             fs.output_dtypes.add(str(y.dtype).removeprefix("torch."))
@@ -206,8 +206,8 @@ class FormatPasses(SessionState):
         from the outputs that pass's FP32 repeat kept (BatchCall.refs), into ``_batch_sink``."""
         fmt = self.state.phase
         assert isinstance(fmt, Format) and self.state.batch_sink is not None
-        k = self._call_index.get(id(m), 0)
-        self._call_index[id(m)] = k + 1
+        k = self.state.call_index.get(id(m), 0)
+        self.state.call_index[id(m)] = k + 1
         call = self.state.batch_call_records.get((id(m), k))
         if call is None or call.refs is None:
             return

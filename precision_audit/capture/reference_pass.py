@@ -117,9 +117,9 @@ class ReferencePass(SessionState):
 
     def _reference_pass(self) -> RunRecord:
         self._reset()
-        self._batch_tensors, self.state.batch_call_records, self._grad_edges = {}, {}, []
+        self.state.batch_tensors, self.state.batch_call_records, self.state.grad_edges = {}, {}, []
         if not self.state.impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
-            self._after_reference, self._pass_draw_mismatches = {}, {}
+            self.state.after_reference, self.state.pass_draw_mismatches = {}, {}
         self.state.phase = "ref"
         t0 = time.perf_counter()
         try:
@@ -164,7 +164,7 @@ class ReferencePass(SessionState):
         order"); a graph with reentrant activation checkpointing, which supports ``backward()`` only, and one where a
         view output was changed in place (its hook moved to a node: capture/output_grads.py) take the whole
         backward."""
-        edges, self._grad_edges = self._grad_edges, []
+        edges, self.state.grad_edges = self.state.grad_edges, []
         reentrant = _reentrant_checkpoint(loss)
         if reentrant and not self.state.impacts_only and not any("reentrant autograd" in w for w in self.warnings):
             self.warnings.append(
@@ -172,7 +172,7 @@ class ReferencePass(SessionState):
                 "torch.utils.checkpoint, which the audit runs non-reentrant: docs/memory.md): the modules inside "
                 "those segments have no gradient ranges and no first-order loss impacts; use "
                 "torch.utils.checkpoint or turn the library's checkpointing off for the audit")
-        if not (self.state.impacts_only and self.ranks.outputs_only_backward) or self._views_rebased or reentrant:
+        if not (self.state.impacts_only and self.ranks.outputs_only_backward) or self.state.views_rebased or reentrant:
             loss.backward()
         elif edges:
             torch.autograd.grad(loss, edges, allow_unused=True)
@@ -214,26 +214,26 @@ class ReferencePass(SessionState):
         """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a
         container passing its child's output on), True for a new tensor (an in-place op makes a new version)."""
         key = (id(y), y._version)
-        hit = self._producers.get(key)
+        hit = self.state.producers.get(key)
         if hit is not None and hit[0]() is y:
             return False
-        self._producers[key] = (weakref.ref(y), rec, slot)
+        self.state.producers[key] = (weakref.ref(y), rec, slot)
         return True
 
     def _note_consumer(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Record ``m`` as a consumer of every input tensor another module produced in this pass."""
         name = self._names.get(id(m), "?")
         for x in float_tensors((args, kwargs)):
-            hit = self._producers.get((id(x), x._version))
+            hit = self.state.producers.get((id(x), x._version))
             if hit is not None and hit[0]() is x:
                 hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
     def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
         if self.state.impacts_only:
             # the repeat at the second order: no op tracker ran; the first pass's counts of the same call
-            own_ops, own_work = self._call_ops.get((id(m), rec.calls), (own_ops, own_work))
+            own_ops, own_work = self.state.call_ops.get((id(m), rec.calls), (own_ops, own_work))
         else:
-            self._call_ops[(id(m), rec.calls)] = (own_ops, own_work)
+            self.state.call_ops[(id(m), rec.calls)] = (own_ops, own_work)
         rec.calls += 1
         rec.own_ops += own_ops
         if rec.calls == 1:
@@ -279,7 +279,7 @@ class ReferencePass(SessionState):
             return None
         ts = _tensors_in((args, kwargs))
         for t in ts:
-            hit = self._batch_tensors.get(id(t))
+            hit = self.state.batch_tensors.get(id(t))
             if hit is None or hit[0] is not t or hit[1] != t._version:
                 return None
         return BatchCall(rng=rng, args=args, kwargs=kwargs, versions=[t._version for t in ts],
@@ -295,7 +295,7 @@ class ReferencePass(SessionState):
             call.refs = [self.state.refs.keep(y) for y in ys]
         for i, y in enumerate(ys):
             if y.requires_grad:
-                self._out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
+                self.state.out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
 
     def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
         """:meth:`_rerun_alone`, as the ranks run it (capture/ranks.py)."""
@@ -438,7 +438,7 @@ class ReferencePass(SessionState):
         rec.grad_output.merge(h)
         self.grad_all.merge(h)
         if own is not None:
-            y, loss = own[1](), self._loss_ref() if self._loss_ref is not None else None
+            y, loss = own[1](), self.state.loss_ref() if self.state.loss_ref is not None else None
             # dL/dL of the loss itself (or of a scalar the model returns as a loss): not a gradient
             # any format computes, so it is kept apart from the loss-scale statistics
             if (y is not None and loss is not None and is_the_loss(y, loss)) or (rec.name == "" and g.numel() == 1):

@@ -129,28 +129,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         # per-run state
         self._pre_rng: list[Any] = []
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
-        self._draw_mismatches = 0
-        # Calls on the batch itself (capture/reference_pass.py, BatchCall): the root call's tensor arguments with
-        # their versions (the calls themselves: state.batch_call_records)
-        self._batch_tensors: dict[int, tuple[torch.Tensor, int]] = {}
-        # the second order's backward: the gradient edges of the module outputs its loss impacts read; a forward's
-        # dL/dy hooks (capture/output_grads.py); the model's autocast regions (capture/user_autocast.py)
-        self._grad_edges: list[Any] = []
-        self._out_hooks, self._views_rebased = OutputGradHooks(), False
-        # (module, call) -> (own ops, own ops other than additions), from the first reference forward's op
-        # tracker: the repeat at the second order runs the same ops and reads them from here, untracked
-        self._call_ops: dict[tuple[int, int], tuple[int, int]] = {}
-        self._call_index: dict[int, int] = {}
         # the per-pass state the session's parts share (capture/session_state.py); its references' store: on the
         # host on a GPU, in a temporary file on a CPU (reference_store.py)
         self.state = PassState(ReferenceStore(config.device))
         self.ranks.bind(self.calls, self.state.refs, self._grad_nonfinite)
         self._stat_cache: dict[tuple, tuple[weakref.ref, Any]] = {}  # per pass, weakly keyed by the tensors
         self._loss_scale = 1.0
-        # reference pass: which module produced each output tensor (by identity and version), and the loss
-        # tensor, so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
-        self._producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = {}
-        self._loss_ref: Any = None
         self._hooks: list[Any] = []
         self._exit = contextlib.ExitStack()
         self._policy: CudaAutocastPolicy | None = None
@@ -225,9 +209,9 @@ class CaptureSession(ReferencePass, FormatPasses):
                 self.state.ref_outputs.clear()
                 self.state.clone_cache.clear()
                 self._stat_cache.clear()
-                self._producers.clear()
+                self.state.producers.clear()
                 self._draws.clear()
-                self._call_ops.clear()
+                self.state.call_ops.clear()
                 self.state.batch_call_records.clear()  # their FP32 outputs are in the store: released with it
                 self._release_saved()
                 self.state.refs.close()
@@ -264,10 +248,10 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.calls.own_ops.clear()
         self.calls.own_work.clear()
         self._pre_rng.clear()
-        self._call_index.clear()
+        self.state.call_index.clear()
         self._stat_cache.clear()
-        self._producers.clear()
-        self._loss_ref = None
+        self.state.producers.clear()
+        self.state.loss_ref = None
         release_free_heap()  # the last pass's freed activations, back to the system (capture/reference_store.py)
         self.ranks.reset()
 
@@ -350,13 +334,13 @@ class CaptureSession(ReferencePass, FormatPasses):
             try:
                 yield
             finally:
-                self._draw_mismatches += r.mismatches
+                self.state.draw_mismatches += r.mismatches
 
     def _draw_warnings(self) -> list[str]:
-        if not self._draw_mismatches:
+        if not self.state.draw_mismatches:
             return []
-        return [f"{self._draw_mismatches} random draw(s) in the low-precision passes (counted per pass and re-run) "
-                "had no draw of the same shape at the same position in the FP32 reference and were drawn anew: "
+        return [f"{self.state.draw_mismatches} random draw(s) in the low-precision passes (counted per pass and "
+                "re-run) had no draw of the same shape at the same position in the FP32 reference and were drawn anew: "
                 "their dropout masks (or noise) "
                 "differ from the reference's, so the errors of the modules after them include that difference"]
 
@@ -433,13 +417,13 @@ class CaptureSession(ReferencePass, FormatPasses):
             self.calls.own_work.append(0)
             if self.state.phase == "ref":
                 if m is self.model:  # the batch as the model is given it (calls on it: BatchCall)
-                    self._batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
+                    self.state.batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
                 self._pre_rng.append(pre_call(self._rng_state(), m, args, kwargs, len(self._draws),
                                               self._user_autocast.innermost))
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
             else:  # a format pass: the random state before a call on the batch, to check it is the FP32 pass's
-                key = (id(m), self._call_index.get(id(m), 0))
+                key = (id(m), self.state.call_index.get(id(m), 0))
                 self._pre_rng.append(self._rng_state() if key in self.state.batch_call_records else None)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -474,11 +458,11 @@ class CaptureSession(ReferencePass, FormatPasses):
         for i, y in enumerate(ys):
             own = self.state.phase == "ref" and self._note_producer(rec, i, y)
             if y.requires_grad:
-                self._out_hooks.register(y, self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
+                self.state.out_hooks.register(y, self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
                                                             (i, weakref.ref(y)) if own else None),
                                          functools.partial(self._grad_lost, rec, i))
                 if self.state.impacts_only:  # the gradients the second order's backward computes (_reference_backward)
-                    self._grad_edges.append(get_gradient_edge(y))
+                    self.state.grad_edges.append(get_gradient_edge(y))
         if self.state.phase == "ref" and ys and not any(y.requires_grad for y in ys) and NO_GRAD_NOTE not in rec.notes:
             rec.notes.append(NO_GRAD_NOTE)
 
@@ -487,7 +471,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
         counter = SavedTensorCounter(self.model, lambda: self.calls.stack[-1] if self.calls.stack else None)
         self._counters.append(counter)
-        self._out_hooks = OutputGradHooks()
+        self.state.out_hooks = OutputGradHooks()
         try:
             if fmt is None:
                 # the repeat at the second order reads the first pass's per-call op counts (_call_ops)
@@ -495,12 +479,13 @@ class CaptureSession(ReferencePass, FormatPasses):
                 with self._fp32_reference_switches(), counter, self._same_draws(None), tracker:
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
-                self._loss_ref = weakref.ref(loss)
+                self.state.loss_ref = weakref.ref(loss)
             else:
                 with counter, self._autocast(fmt), self._same_draws(fmt):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
-            self._views_rebased = self._out_hooks.settle(loss)  # outputs changed in place (capture/output_grads.py)
+            # outputs changed in place (capture/output_grads.py)
+            self.state.views_rebased = self.state.out_hooks.settle(loss)
             key = "fp32" if fmt is None else fmt.value
             self.memory[key] = {"activation_bytes": counter.tally.activation_bytes,
                                 "weight_copy_bytes": counter.tally.weight_copy_bytes}

@@ -58,6 +58,28 @@ class PassState:
     # Calls on the batch itself: (module, call) -> what the format passes need to measure the call's local error
     # (a BatchCall, capture/reference_pass.py)
     batch_call_records: dict[tuple[int, int], Any] = field(default_factory=dict)
+    # the root call's tensor arguments with their versions: a call whose every tensor is one of them is on the batch
+    batch_tensors: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # the second order's backward: the gradient edges (torch.autograd.graph.GradientEdge) of the module outputs its
+    # loss impacts read
+    grad_edges: list[Any] = field(default_factory=list)
+    # dL/dy hooks of the current forward's module outputs (capture/output_grads.py), and whether that forward changed
+    # a view output in place
+    out_hooks: OutputGradHooks = field(default_factory=OutputGradHooks)
+    views_rebased: bool = False
+    # (module, call) -> (own ops, own ops other than additions), from the first reference forward's op tracker: the
+    # repeat at the second order runs the same ops and reads them from here, untracked
+    call_ops: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    call_index: dict[int, int] = field(default_factory=dict)  # module -> its calls so far in this pass
+    # each format's per-module figures as the reference pass left them (its re-runs' local errors and impacts), put
+    # back before that format's pass runs again (capture/format_pass.py, forget_format_pass)
+    after_reference: dict[Format, dict[int, Any]] = field(default_factory=dict)
+    draw_mismatches: int = 0  # cuda mode: random draws the reference had no draw for (capture/rng_replay.py)
+    pass_draw_mismatches: dict[Format, int] = field(default_factory=dict)  # those of each format's latest pass
+    # reference pass: which module produced each output tensor (by identity and version), and the loss tensor
+    # (weakly), so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
+    producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = field(default_factory=dict)
+    loss_ref: Any = None
 
 
 @dataclass
@@ -98,23 +120,10 @@ class SessionState:
     _modules: dict[int, torch.nn.Module]
     _use_gemm_mode: bool
     calls: CallStack
-    _call_ops: dict[tuple[int, int], tuple[int, int]]  # each call's op counts from the first pass
-    _call_index: dict[int, int]
-    _batch_tensors: dict[int, tuple[torch.Tensor, int]]
-    _grad_edges: list[Any]  # torch.autograd.graph.GradientEdge of each module output (the second order's backward)
-    _out_hooks: OutputGradHooks  # dL/dy hooks of the current forward's module outputs (capture/output_grads.py)
-    _views_rebased: bool  # the current forward changed a view output in place
     warnings: list[str]
     _user_autocast: UserAutocast  # the model's own autocast regions (capture/user_autocast.py)
     _grad_lost: Callable[[LayerRecord, int], None]
-    # each format's per-module figures as the reference pass left them (its re-runs' local errors and impacts),
-    # put back before that format's pass runs again (capture/format_pass.py, forget_format_pass)
-    _after_reference: dict[Format, dict[int, Any]]
-    _draw_mismatches: int
-    _pass_draw_mismatches: dict[Format, int]  # cuda mode: the draw mismatches of each format's latest pass
     _stat_cache: dict[tuple, tuple[weakref.ref, Any]]
-    _producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]]
-    _loss_ref: Any
 
     # the session's helpers (defined in capture/session.py)
     _reset: Callable[[], None]
