@@ -68,7 +68,7 @@ class GradTaker:
         self._handles.clear()
 
     def reset(self) -> None:
-        """Before every pass (the session's ``_reset``)."""
+        """Before every pass (RankReductions.reset, precision_audit/distributed/session.py)."""
         self.histograms.clear()
         self.nonfinite.clear()
         self._calls.clear()
@@ -84,7 +84,7 @@ class GradTaker:
             return  # left in place: read after the backward, as without this hook
         if self.phase == "ref":
             h = MagnitudeHistogram()
-            h.update(owned_part(grad))  # what ReferencePass._param_grad_histograms counts
+            h.update(owned_part(grad))  # what the reference pass counts (capture/reference_pass.py)
             mask = ~torch.isfinite(owned_part(grad).detach()) if h.nonfinite else None
             self.histograms[id(p)] = (h, mask)
         elif isinstance(self.phase, Format):

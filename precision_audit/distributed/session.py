@@ -351,7 +351,6 @@ class DistributedCaptureSession(CaptureSession):
 
         self._weight = weight
         super().__init__(model, forward_through_wrapper, global_loss, config, progress, ranks=ranks)
-        self.group = steps.group
         self._noise_patch = contextlib.ExitStack()
         self._original_types = dict(original_types or {})  # before fully_shard swapped the classes
         if untracked is not None:
