@@ -15,6 +15,7 @@ from precision_audit.capture.noise import second_order_impacts
 from precision_audit.capture.ranks import Ranks
 from precision_audit.capture.reference_pass import _diff_bf16
 from precision_audit.capture.session import CaptureConfig, CaptureSession
+from precision_audit.capture.session_state import PassState
 from precision_audit.options import AuditOptions
 
 
@@ -53,10 +54,10 @@ def test_diff_bf16_with_an_overflowing_sum_is_still_exact():
     assert _same_bits(_diff_bf16(y, p, None), _masked(y, p))
 
 
-class _Before(CaptureSession):
+class _Before(PassState):
     """The repeat records everything as the first pass does (the flag cannot be set)."""
 
-    _impacts_only = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
+    impacts_only = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("sample", ["tiny_gpt", "cnn"])
@@ -82,9 +83,9 @@ def test_second_order_impacts_equal_the_full_repeat_and_skip_the_tracker(sample,
         assert note is None and lean
         assert len(trackers) == 1  # the first pass's tracker only: the repeat reads its counts
         assert {r.name: (r.activation.counts.tolist(), r.calls) for r in s.layers.values()} == first
-        s.__class__ = _Before
+        s.state.__class__ = _Before
         full, _ = second_order_impacts(s, 2)
-        s.__class__ = CaptureSession
+        s.state.__class__ = PassState
     assert len(trackers) == 2
     assert lean == full  # exactly: same impacts per module and format, the same modules measured
     assert any(v is not None and v > 0 for per in lean.values() for v in per.values())
