@@ -44,8 +44,8 @@ class FormatPasses(SessionState):
 
     def _format_pass(self, fmt: Format, loss_scale: float) -> RunRecord:
         if fmt not in self.state.after_reference:  # the reference pass's figures, for forget_format_pass
-            self.state.after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt]) for mid, rec in self.layers.items()
-                                          if fmt in rec.formats}
+            self.state.after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt])
+                                               for mid, rec in self.layers.items() if fmt in rec.formats}
         self._reset()
         self.state.phase = fmt
         run = RunRecord(format=fmt, loss_scale=loss_scale)

@@ -458,9 +458,8 @@ class CaptureSession(ReferencePass, FormatPasses):
         for i, y in enumerate(ys):
             own = self.state.phase == "ref" and self._note_producer(rec, i, y)
             if y.requires_grad:
-                self.state.out_hooks.register(y, self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
-                                                            (i, weakref.ref(y)) if own else None),
-                                         functools.partial(self._grad_lost, rec, i))
+                hook = self._grad_hook(rec, {f: d[i] for f, d in diffs.items()}, (i, weakref.ref(y)) if own else None)
+                self.state.out_hooks.register(y, hook, functools.partial(self._grad_lost, rec, i))
                 if self.state.impacts_only:  # the gradients the second order's backward computes (_reference_backward)
                     self.state.grad_edges.append(get_gradient_edge(y))
         if self.state.phase == "ref" and ys and not any(y.requires_grad for y in ys) and NO_GRAD_NOTE not in rec.notes:
