@@ -203,7 +203,7 @@ class FormatPasses(SessionState):
 
     def _post_batch_only(self, m, args, kwargs, pre, ys) -> None:
         """A forward at the second order (capture/noise.py): each call on the batch's |loss impact| at that order,
-        from the outputs that pass's FP32 repeat kept (BatchCall.refs), into ``_batch_sink``."""
+        from the outputs that pass's FP32 repeat kept (BatchCall.refs), into ``state.batch_sink``."""
         fmt = self.state.phase
         assert isinstance(fmt, Format) and self.state.batch_sink is not None
         k = self.state.call_index.get(id(m), 0)

@@ -99,7 +99,7 @@ class BatchCall:
     kwargs: dict
     versions: list[int]  # of the tensor arguments, in _tensors_in order: an in-place change disqualifies
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output slot -> dL/dy of the FP32 backward
-    refs: list[Kept] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
+    refs: list[Kept] | None = None  # the FP32 outputs, where the pass keeps none (state.impacts_only)
     user_region: UserRegion | None = None  # inside the model's own autocast region (PreCall)
     attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)  # before the call
 
@@ -159,7 +159,7 @@ class ReferencePass(SessionState):
         return self.reference
 
     def _reference_backward(self, loss: torch.Tensor) -> None:
-        """The FP32 backward. At the second order (``_impacts_only``) only dL/dy of the module outputs the loss
+        """The FP32 backward. At the second order (``state.impacts_only``) only dL/dy of the module outputs the loss
         impacts read is asked for, so autograd skips every parameter's gradient (docs/performance.md, "Second
         order"); a graph with reentrant activation checkpointing, which supports ``backward()`` only, and one where a
         view output was changed in place (its hook moved to a node: capture/output_grads.py) take the whole

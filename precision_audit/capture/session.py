@@ -473,7 +473,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.state.out_hooks = OutputGradHooks()
         try:
             if fmt is None:
-                # the repeat at the second order reads the first pass's per-call op counts (_call_ops)
+                # the repeat at the second order reads the first pass's per-call op counts (state.call_ops)
                 tracker = contextlib.nullcontext() if self.state.impacts_only else OpTracker(self.calls, self.model)
                 with self._fp32_reference_switches(), counter, self._same_draws(None), tracker:
                     out = self._forward(self.model)
