@@ -1,5 +1,5 @@
 """A/B of the calls on the batch (issue 14, P1): the same audit with the format passes standing in for the re-runs
-of calls on the batch itself, and with those calls re-run as before (``CaptureSession._batch_calls = False``).
+of calls on the batch itself, and with those calls re-run as before (``Ranks.batch_calls = False``, capture/ranks.py).
 
     python bench/batch_calls.py /tmp/rmb/gpt2/model.py --batch /tmp/rmb/gpt2/sample.pt [--rounds 3]
 
@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r'''
 import json, sys, time
 from precision_audit.capture import CaptureSession
+from precision_audit.capture.ranks import Ranks
 from precision_audit.audit import AuditOptions, run_audit
-CaptureSession._batch_calls = sys.argv[1] == "1"
+Ranks.batch_calls = sys.argv[1] == "1"
 spent = [0.0]
 real = CaptureSession._rerun_once
 def timed(self, *a, **k):

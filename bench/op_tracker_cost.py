@@ -22,9 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from precision_audit.capture.calls import CallStack  # noqa: E402
 from precision_audit.capture.op_tracker import OpTracker  # noqa: E402
 from precision_audit.capture.records import LayerRecord  # noqa: E402
-from precision_audit.capture.session_state import CallStack  # noqa: E402
 
 
 def _calls(model: torch.nn.Module) -> CallStack:

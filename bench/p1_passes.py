@@ -28,6 +28,7 @@ from precision_audit.audit import SubjectRun, load_subject, set_up  # noqa: E402
 from precision_audit.capture import reference_pass as RP  # noqa: E402
 from precision_audit.capture.noise import second_order_impacts, second_threads  # noqa: E402
 from precision_audit.capture.session import CaptureConfig, CaptureSession  # noqa: E402
+from precision_audit.capture.session_state import PassState  # noqa: E402
 from precision_audit.options import AuditOptions  # noqa: E402
 
 NEW_DIFF = RP._diff_bf16
@@ -37,14 +38,14 @@ def _old_diff(y: torch.Tensor, p: torch.Tensor, finite: bool | None) -> torch.Te
     return torch.where(torch.isfinite(y), p.float() - y, 0.0).to(torch.bfloat16)
 
 
-class _Before(CaptureSession):
-    """The session as before: the repeat at the second order records everything (the flag cannot be set)."""
+class _Before(PassState):
+    """The session's state as before: the repeat at the second order records everything (the flag cannot be set)."""
 
-    _impacts_only = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
+    impacts_only = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
 
 
 def _variant(session: CaptureSession, before: bool) -> None:
-    session.__class__ = _Before if before else CaptureSession
+    session.state.__class__ = _Before if before else PassState
     RP._diff_bf16 = _old_diff if before else NEW_DIFF  # type: ignore[assignment]
 
 
@@ -82,7 +83,7 @@ def main() -> None:
             for before in ((True, False) if r % 2 == 0 else (False, True)):
                 tag = "before" if before else "after"
                 _variant(s, before)
-                s.layers, s._ref_outputs = {}, {}
+                s.layers, s.state.ref_outputs = {}, {}
                 t0 = time.perf_counter()
                 s.reference_run()
                 times[f"ref {tag}"].append(time.perf_counter() - t0)

@@ -280,3 +280,53 @@ def test_a_layer_imports_only_the_layers_before_it():
                  for a, deps in graph.items() for b in deps
                  if _layer_of(b) > _layer_of(a) or (_layer_of(b) == _layer_of(a) not in (0, last)))
     assert not bad, "\n".join(bad)
+
+
+#: The capture session's parts and the distributed audit's session, which must share state through declared objects
+#: (capture/session_state.py, capture/ranks.py), never by reading another class's private names (issue 34).
+PRIVATE_READ_SCOPE = [*sorted((PACKAGE / "capture").glob("*.py")), PACKAGE / "distributed" / "session.py"]
+
+#: Underscore names of torch's own objects that capture reads, each with the reason: torch exposes no public spelling.
+TORCH_PRIVATE_NAMES = {
+    "_version": "a tensor's in-place version counter (how autograd itself tells a changed tensor)",
+    "_base": "the tensor a view was made from",
+    "_is_view": "whether a tensor is a view (torch has no public test)",
+    "_buffers": "a module's buffer table, written back in place (capture/model_state.py)",
+    "_schema": "an OpOverload's schema (mutability of its arguments)",
+    "_C": "torch's C extension (the host allocator's empty_cache)",
+    "_cast": "torch.amp.autocast_mode._cast, which the user-autocast tracker answers for (capture/user_autocast.py)",
+}
+#: Objects whose underscore attributes are names, not private state: aten's operators (``aten._to_copy``).
+PUBLIC_NAMESPACES = {"_aten"}
+#: The user-autocast tracker's marks on torch.autocast objects, set and read by its own patched methods
+#: (capture/user_autocast.py): the object is those methods' ``self``.
+OWN_MARK_PREFIX = "_pa_"
+
+
+def _private_reads(path: Path) -> list[str]:
+    """``x._name`` reads in ``path`` where ``x`` is not ``self``/``cls`` (``super()._name`` included: overriding a
+    parent's private method is reaching into it), torch's names above apart."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.endswith("__"):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and (owner.id in ("self", "cls") or owner.id in PUBLIC_NAMESPACES):
+            continue
+        if node.attr in TORCH_PRIVATE_NAMES or node.attr.startswith(OWN_MARK_PREFIX):
+            continue
+        out.append(f"{path.name}:{node.lineno}: {ast.unparse(owner)}.{node.attr}")
+    return out
+
+
+def test_the_private_read_finder_finds_them(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("class A(B):\n    def f(self, s, t):\n        self._own(cls._x, t._version, _aten._to_copy)\n"
+                 "        return s._state, super()._hook(), s.calls._stack\n")
+    found = [line.split(": ", 1)[1] for line in _private_reads(p)]
+    assert sorted(found) == ["s._state", "s.calls._stack", "super()._hook"]
+
+
+def test_no_capture_part_reads_another_class_private_names():
+    bad = [line for path in PRIVATE_READ_SCOPE for line in _private_reads(path)]
+    assert not bad, f"{len(bad)} reads of another object's private names:\n" + "\n".join(bad)

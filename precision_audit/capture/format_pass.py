@@ -35,19 +35,26 @@ class FormatPasses(SessionState):
     """The low-precision passes of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
     def format_run(self, fmt: Format, loss_scale: float = 1.0) -> RunRecord:
-        """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised."""
-        if fmt not in self._after_reference:  # the reference pass's figures, for forget_format_pass
-            self._after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt]) for mid, rec in self.layers.items()
-                                          if fmt in rec.formats}
+        """Forward under ``fmt`` autocast, backward of ``loss * loss_scale``; failures are recorded, not raised. The
+        one door into a format pass: over ranks, its statistics are every rank's once it returns (capture/ranks.py)."""
+        with self.ranks.format_pass(fmt) as started:
+            run = self._format_pass(fmt, loss_scale)
+        self.ranks.format_done(fmt, loss_scale, run, started, self.layers, self.layers.get(id(self.model)))
+        return run
+
+    def _format_pass(self, fmt: Format, loss_scale: float) -> RunRecord:
+        if fmt not in self.state.after_reference:  # the reference pass's figures, for forget_format_pass
+            self.state.after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt])
+                                               for mid, rec in self.layers.items() if fmt in rec.formats}
         self._reset()
-        self._phase = fmt
+        self.state.phase = fmt
         run = RunRecord(format=fmt, loss_scale=loss_scale)
         t0 = time.perf_counter()
-        draws_before = self._draw_mismatches
+        draws_before = self.state.draw_mismatches
         try:
             out, loss = self._run(fmt)
             run.loss = float(loss.detach().float())
-            self._phase = None
+            self.state.phase = None
             # grads are recorded per layer through the hooks registered during the forward
             try:
                 with self._backward_context(fmt):
@@ -57,7 +64,7 @@ class FormatPasses(SessionState):
             except Exception as e:  # a backward that fails only in low precision is this format's finding
                 raise RunFailure(e, "(backward pass)") from e
         except RunFailure as f:
-            self._phase = None
+            self.state.phase = None
             if self.config.mode == "emulated" and not self._use_gemm_mode and is_missing_low_precision_kernel(f.error):
                 # A CPU kernel has no fp16/bf16 version: redo the pass with the fp32-fallback dispatch mode on.
                 self._use_gemm_mode = True
@@ -65,7 +72,7 @@ class FormatPasses(SessionState):
                 return self.format_run(fmt, loss_scale)
             run.error = f"{type(f.error).__name__}: {f.error}" + (f" (in module '{f.where}')" if f.where else "")
         finally:
-            self._phase = None
+            self.state.phase = None
         root = self.layers.get(id(self.model))
         if root is not None and fmt in root.formats:
             run.output = root.formats[fmt].accumulated
@@ -76,7 +83,7 @@ class FormatPasses(SessionState):
         run.wall_s = time.perf_counter() - t0
         self._stat_cache.clear()
         self.runs[fmt] = run
-        self._pass_draw_mismatches[fmt] = self._draw_mismatches - draws_before
+        self.state.pass_draw_mismatches[fmt] = self.state.draw_mismatches - draws_before
         return run
 
     def forget_format_pass(self, fmt: Format) -> None:
@@ -85,11 +92,11 @@ class FormatPasses(SessionState):
         errors and loss impacts, a call on the batch's note); what the format pass adds (its own figures, the local
         error and impact of calls on the batch: BatchCall) is measured again. In cuda mode its draw mismatches
         are taken back out of the warning's count."""
-        after = self._after_reference.get(fmt, {})
+        after = self.state.after_reference.get(fmt, {})
         for mid, rec in self.layers.items():
             if fmt in rec.formats:
                 rec.formats[fmt] = copy.deepcopy(after[mid]) if mid in after else FormatLayerStats()
-        self._draw_mismatches -= self._pass_draw_mismatches.pop(fmt, 0)
+        self.state.draw_mismatches -= self.state.pass_draw_mismatches.pop(fmt, 0)
 
     def _count_grad_nonfinite(self, fmt: Format, run: RunRecord) -> None:
         """Non-finite parameter-gradient elements of this pass, per owning module and in all (FP32's own apart)."""
@@ -109,6 +116,8 @@ class FormatPasses(SessionState):
                 added, shared = self._grad_nonfinite(p, p.grad)
                 run.param_grads_nonfinite += added
                 run.param_grads_nonfinite_shared += shared
+        # those taken from the backward as they arrived, over ranks (capture/ranks.py)
+        self.ranks.grads_nonfinite_taken(fmt, run, self.layers, self._modules)
 
     def _grad_nonfinite(self, p: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
         """(non-finite elements of ``p``'s gradient where FP32's is finite, those where FP32's is not finite too)."""
@@ -119,7 +128,7 @@ class FormatPasses(SessionState):
         values = stored_values(g)
         if values.is_floating_point() and bool(torch.isfinite(values.sum())):
             return 0, 0
-        return count_nonfinite_pairs(nonfinite_where(g), self._ref_grad_nonfinite.get(id(p)))
+        return count_nonfinite_pairs(nonfinite_where(g), self.state.ref_grad_nonfinite.get(id(p)))
 
     def verify_plan(self, policy: Any, default: Format | None) -> RunRecord:
         """One forward with ``policy`` applied (the runtime's apply_policy): its loss and output vs the FP32 reference.
@@ -139,12 +148,12 @@ class FormatPasses(SessionState):
                 out = self._forward(self.model)
                 loss = self._loss_of(out)
             run.loss = float(loss.detach().float())
-            ref = self._ref_outputs.get(id(self.model))
+            ref = self.state.ref_outputs.get(id(self.model))
             ys = float_tensors(out)
             if ref and len(ref[0]) == len(ys):
                 run.output = ErrorStats()
                 for r, y in zip(ref[0], ys):
-                    run.output.update(self._refs.for_stats(r, y), y)
+                    run.output.update(self.state.refs.for_stats(r, y), y)
                 run.output_nonfinite = run.output.nonfinite
         except torch.OutOfMemoryError:
             raise  # the GPU's limit, not the plan's fault: it must not count as a broken plan
@@ -156,18 +165,18 @@ class FormatPasses(SessionState):
         return run
 
     def _post_format(self, m, rec: LayerRecord, ys, args, kwargs, pre) -> None:
-        fmt = self._phase
+        fmt = self.state.phase
         assert isinstance(fmt, Format)
         fs = rec.formats.setdefault(fmt, FormatLayerStats())
         fs.calls += 1
-        k = self._call_index.get(id(m), 0)
-        self._call_index[id(m)] = k + 1
+        k = self.state.call_index.get(id(m), 0)
+        self.state.call_index[id(m)] = k + 1
         for y in ys:
             fs.activation.merge(self._summary_of(y))
             fs.output_dtypes.add(str(y.dtype).removeprefix("torch."))
-        refs = self._ref_outputs.get(id(m), [])
+        refs = self.state.ref_outputs.get(id(m), [])
         matched = k < len(refs) and len(refs[k]) == len(ys) and all(r.shape == y.shape for r, y in zip(refs[k], ys))
-        call = self._batch_call_records.get((id(m), k))
+        call = self.state.batch_call_records.get((id(m), k))
         if call is not None:  # a call on the batch: its local error is this output's (BatchCall)
             self._measure_batch_call(m, fs, fmt, call, refs[k] if matched else None, args, kwargs, pre, ys)
         if not matched:
@@ -194,12 +203,12 @@ class FormatPasses(SessionState):
 
     def _post_batch_only(self, m, args, kwargs, pre, ys) -> None:
         """A forward at the second order (capture/noise.py): each call on the batch's |loss impact| at that order,
-        from the outputs that pass's FP32 repeat kept (BatchCall.refs), into ``_batch_sink``."""
-        fmt = self._phase
-        assert isinstance(fmt, Format) and self._batch_sink is not None
-        k = self._call_index.get(id(m), 0)
-        self._call_index[id(m)] = k + 1
-        call = self._batch_call_records.get((id(m), k))
+        from the outputs that pass's FP32 repeat kept (BatchCall.refs), into ``state.batch_sink``."""
+        fmt = self.state.phase
+        assert isinstance(fmt, Format) and self.state.batch_sink is not None
+        k = self.state.call_index.get(id(m), 0)
+        self.state.call_index[id(m)] = k + 1
+        call = self.state.batch_call_records.get((id(m), k))
         if call is None or call.refs is None:
             return
         ps = self._batch_call_output(m, fmt, call, call.refs, args, kwargs, pre, ys)
@@ -207,5 +216,5 @@ class FormatPasses(SessionState):
             return
         impacts = self._batch_call_impacts(call, call.refs, ps, None)
         if impacts:
-            per = self._batch_sink.setdefault(self._names.get(id(m), "?"), {})
+            per = self.state.batch_sink.setdefault(self._names.get(id(m), "?"), {})
             per[fmt] = per.get(fmt, 0.0) + sum(abs(v) for v in impacts)

@@ -182,8 +182,8 @@ def measure_noise_floor(session, formats: tuple[Format, ...], full: bool = True)
         if ref_loss is not None and main_loss is not None else math.nan
     if full:
         _format_forwards(session, noise, formats)
-    session._reset()
-    session._batch_call_records.clear()
+    session.controls.reset()
+    session.state.batch_call_records.clear()
     return noise
 
 
@@ -195,7 +195,7 @@ def recheck_formats(session, noise: NoiseFloor, formats: tuple[Format, ...]) -> 
     """Each of ``formats``' forward at the second order, against that order's FP32 output (into ``noise.runs``):
     the re-check of a verdict whose figures lie near their budget (planning/second_order.py)."""
     _format_forwards(session, noise, tuple(f for f in formats if f not in noise.runs))
-    session._reset()
+    session.controls.reset()
 
 
 def complete(session, noise: NoiseFloor, formats: tuple[Format, ...]) -> None:
@@ -205,11 +205,11 @@ def complete(session, noise: NoiseFloor, formats: tuple[Format, ...]) -> None:
         recheck_formats(session, noise, formats)
         return
     _impacts_pass(session, noise, None)
-    sink = noise.impacts is not None and any(c.refs is not None for c in session._batch_call_records.values())
+    sink = noise.impacts is not None and any(c.refs is not None for c in session.state.batch_call_records.values())
     # a format forward already run for a verdict is run again only for the calls on the batch it measures
     _format_forwards(session, noise, formats if sink else tuple(f for f in formats if f not in noise.runs))
-    session._reset()
-    session._batch_call_records.clear()
+    session.controls.reset()
+    session.state.batch_call_records.clear()
 
 
 def _impacts_pass(session, noise: NoiseFloor, fp32: _Fp32Order | None) -> None:
@@ -223,7 +223,7 @@ def _format_forwards(session, noise: NoiseFloor, formats: tuple[Format, ...]) ->
     """``formats``' forwards at the second order; with the planner's impacts being measured (the calls on the batch
     of the repeated reference pass still recorded), each also gives those calls' impacts, into ``noise.impacts``."""
     sink: dict[str, dict[Format, float]] | None = {} if noise.impacts is not None and any(
-        c.refs is not None for c in session._batch_call_records.values()) else None
+        c.refs is not None for c in session.state.batch_call_records.values()) else None
     alt = noise.threads[1] if noise.threads else None
     with _threads(alt):
         for f in formats:
@@ -246,7 +246,7 @@ class _Fp32Order:
 
     def __init__(self, session) -> None:
         self.session = session
-        self.refs = session._ref_outputs  # the reference pass's FP32 outputs, per module and call
+        self.refs = session.state.ref_outputs  # the reference pass's FP32 outputs, per module and call
         self.root_ref = (self.refs.get(id(session.model)) or [None])[0]
         self.sample = _sample(session)
         self.loss: float | None = None
@@ -268,12 +268,12 @@ class _Fp32Order:
                 e = ErrorStats()
                 for r, y in zip(refs[0], ys):
                     if r.shape == y.shape:
-                        e.update(session._refs.for_stats(r, y), y.detach())
+                        e.update(session.state.refs.for_stats(r, y), y.detach())
                 self.layers[name] = e
             return hook
 
         for m in self.sample:
-            hooks.append(m.register_forward_hook(hook_for(session._names[id(m)], id(m))))
+            hooks.append(m.register_forward_hook(hook_for(session.calls.names[id(m)], id(m))))
         try:
             yield
         finally:
@@ -286,20 +286,20 @@ class _Fp32Order:
         if self.root_ref is not None and len(self.root_ref) == len(ys):
             e = ErrorStats()
             for r, y in zip(self.root_ref, ys):
-                e.update(self.session._refs.for_stats(r, y), y)
+                e.update(self.session.state.refs.for_stats(r, y), y)
             self.out_err = e.rel_l2
-        self.outputs = [self.session._refs.keep(y) for y in ys]
+        self.outputs = [self.session.state.refs.keep(y) for y in ys]
 
     def run(self) -> None:
         """A forward of its own (on CUDA, or when the repeated reference pass failed)."""
         session = self.session
         self.layers.clear()
         try:
-            session._reset()
-            with self.watching(), torch.no_grad(), session._fp32_reference_switches(), \
-                    session._same_draws(Format.FP32):  # the reference's dropout masks (capture/rng_replay.py)
-                out = session._forward(session.model)
-                self.output(out, session._loss_of(out))
+            session.controls.reset()
+            with self.watching(), torch.no_grad(), session.controls.fp32_switches(), \
+                    session.controls.same_draws(Format.FP32):  # the reference's dropout masks (capture/rng_replay.py)
+                out = session.controls.forward()
+                self.output(out, session.controls.loss_of(out))
         finally:
             session.calls.stack.clear()
 
@@ -314,15 +314,15 @@ def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
     pass failed (the planner then uses the main order's impacts alone). ``fp32``: also read the FP32 forward at
     this order from the pass's own forward (the noise floor's loss, outputs and sample of layers).
     """
-    saved = (session.layers, session.grad_all, session._ref_outputs, session.reference,
-             session._ref_grad_nonfinite, list(session.warnings), dict(session.memory))
-    session.layers, session.grad_all, session._ref_outputs = {}, MagnitudeHistogram(), {}
-    session._ref_grad_nonfinite = {}
+    saved = (session.layers, session.grad_all, session.state.ref_outputs, session.reference,
+             session.state.ref_grad_nonfinite, list(session.warnings), dict(session.memory))
+    session.layers, session.grad_all, session.state.ref_outputs = {}, MagnitudeHistogram(), {}
+    session.state.ref_grad_nonfinite = {}
     # Only the loss impacts are read from this pass: it skips the histograms, the FP32 references, the local
     # error sums and the op tracker (it reads the first pass's per-call op counts), none of which the impacts
     # depend on (docs/performance.md, "Second order")
-    session._impacts_only = True
-    session._on_reference_output = fp32.output if fp32 is not None else None
+    session.state.impacts_only = True
+    session.state.on_reference_output = fp32.output if fp32 is not None else None
     try:
         with _threads(threads), (fp32.watching() if fp32 is not None else contextlib.nullcontext()):
             session.reference_run()
@@ -334,33 +334,33 @@ def second_order_impacts(session, threads: int, fp32: _Fp32Order | None = None
         log.warning("the reference pass at %d thread(s) failed (%s); the planner uses one order's impacts", threads, e)
         return None, f"not measured: the reference pass at {threads} thread(s) raised {type(e).__name__}: {e}"
     finally:
-        session._impacts_only = False
-        session._on_reference_output = None
-        (session.layers, session.grad_all, session._ref_outputs, session.reference,
-         session._ref_grad_nonfinite, session.warnings, session.memory) = saved
-        session._clone_cache.clear()
+        session.state.impacts_only = False
+        session.state.on_reference_output = None
+        (session.layers, session.grad_all, session.state.ref_outputs, session.reference,
+         session.state.ref_grad_nonfinite, session.warnings, session.memory) = saved
+        session.state.clone_cache.clear()
         session.calls.stack.clear()
-        session._reset()
+        session.controls.reset()
 
 
 def _format_forward(session, fmt: Format, ref_outputs: list[Kept] | None,
                     sink: dict[str, dict[Format, float]] | None = None) -> OrderRun:
     """``fmt``'s forward at this order; with ``sink``, also the |loss impact| of each call on the batch (whose
     local error is its output in this forward: capture/reference_pass.py, BatchCall), into ``sink``."""
-    session._reset()
+    session.controls.reset()
     try:
         if sink is not None:
-            session._phase, session._batch_sink = fmt, sink
-        with torch.no_grad(), session._autocast(fmt), session._same_draws(fmt):
-            out = session._forward(session.model)
-            loss = float(session._loss_of(out).detach().float())
-        session._phase, session._batch_sink = None, None
+            session.state.phase, session.state.batch_sink = fmt, sink
+        with torch.no_grad(), session.controls.autocast(fmt), session.controls.same_draws(fmt):
+            out = session.controls.forward()
+            loss = float(session.controls.loss_of(out).detach().float())
+        session.state.phase, session.state.batch_sink = None, None
         ys = float_tensors(out)
         err = None
         if ref_outputs is not None and len(ref_outputs) == len(ys):
             e = ErrorStats()
             for r, y in zip(ref_outputs, ys):
-                e.update(session._refs.for_stats(r, y), y)
+                e.update(session.state.refs.for_stats(r, y), y)
             err = e.rel_l2
         return OrderRun(loss=loss, output_rel_error=err)
     except torch.OutOfMemoryError:
@@ -368,7 +368,7 @@ def _format_forward(session, fmt: Format, ref_outputs: list[Kept] | None,
     except Exception as e:  # reported beside the figure, never fatal: the main pass already measured it
         return OrderRun(loss=None, output_rel_error=None, error=f"{type(e).__name__}: {e}")
     finally:
-        session._phase, session._batch_sink = None, None
+        session.state.phase, session.state.batch_sink = None, None
         session.calls.stack.clear()
 
 
@@ -378,21 +378,21 @@ def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> 
     alt = None if cuda else (noise.threads[1] if noise.threads else None)
     device_type = "cuda" if cuda else "cpu"
     with _threads(alt):
-        session._reset()
+        session.controls.reset()
         from ..runtime.apply import apply_policy
 
         handle = apply_policy(session.model, policy, device_type=device_type)
         try:
-            with torch.no_grad(), (session._autocast(default) if default else contextlib.nullcontext()), \
-                    session._same_draws(default or Format.FP32):
-                out = session._forward(session.model)
-                loss = float(session._loss_of(out).detach().float())
+            with torch.no_grad(), (session.controls.autocast(default) if default else contextlib.nullcontext()), \
+                    session.controls.same_draws(default or Format.FP32):
+                out = session.controls.forward()
+                loss = float(session.controls.loss_of(out).detach().float())
             ys = float_tensors(out)
             err = None
             if noise.outputs is not None and len(noise.outputs) == len(ys):
                 e = ErrorStats()
                 for r, y in zip(noise.outputs, ys):
-                    e.update(session._refs.for_stats(r, y), y)
+                    e.update(session.state.refs.for_stats(r, y), y)
                 err = e.rel_l2
             return OrderRun(loss=loss, output_rel_error=err)
         except torch.OutOfMemoryError:
@@ -402,4 +402,4 @@ def plan_forward(session, noise: NoiseFloor, policy, default: Format | None) -> 
         finally:
             handle.remove()
             session.calls.stack.clear()
-            session._reset()
+            session.controls.reset()

@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import ModelRunError
+from .calls import CallStack
 from .ops import AutocastWidths, ModuleOps, record_op
-from .session_state import CallStack
 from .shards import local_tensor  # a rank's shard of an FSDP parameter (docs/distributed.md)
 
 _aten = torch.ops.aten

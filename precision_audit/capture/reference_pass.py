@@ -99,7 +99,7 @@ class BatchCall:
     kwargs: dict
     versions: list[int]  # of the tensor arguments, in _tensors_in order: an in-place change disqualifies
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # output slot -> dL/dy of the FP32 backward
-    refs: list[Kept] | None = None  # the FP32 outputs, where the pass keeps none (_impacts_only)
+    refs: list[Kept] | None = None  # the FP32 outputs, where the pass keeps none (state.impacts_only)
     user_region: UserRegion | None = None  # inside the model's own autocast region (PreCall)
     attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = field(default_factory=list)  # before the call
 
@@ -108,18 +108,25 @@ class ReferencePass(SessionState):
     """The FP32 reference pass of a :class:`~precision_audit.capture.session.CaptureSession` (a mixin)."""
 
     def reference_run(self) -> RunRecord:
-        """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails."""
+        """FP32 forward and backward with local re-runs; raises :class:`ModelRunError` if the model fails. Over ranks,
+        its statistics are every rank's once it returns (capture/ranks.py)."""
+        with self.ranks.reference_pass(self.state.impacts_only):
+            run = self._reference_pass()
+        self.grad_all = self.ranks.reference_done(list(self.layers.values()), self.grad_all)
+        return run
+
+    def _reference_pass(self) -> RunRecord:
         self._reset()
-        self._batch_tensors, self._batch_call_records, self._grad_edges = {}, {}, []
-        if not self._impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
-            self._after_reference, self._pass_draw_mismatches = {}, {}
-        self._phase = "ref"
+        self.state.batch_tensors, self.state.batch_call_records, self.state.grad_edges = {}, {}, []
+        if not self.state.impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
+            self.state.after_reference, self.state.pass_draw_mismatches = {}, {}
+        self.state.phase = "ref"
         t0 = time.perf_counter()
         try:
             try:
                 out, loss = self._run(None)
-                if self._on_reference_output is not None:  # the noise floor's FP32 forward (capture/noise.py)
-                    self._on_reference_output(out, loss)
+                if self.state.on_reference_output is not None:  # the noise floor's FP32 forward (capture/noise.py)
+                    self.state.on_reference_output(out, loss)
             except RunFailure as f:
                 raise ModelRunError(
                     f"the model raised {type(f.error).__name__} in its FP32 forward pass: {f.error}",
@@ -129,7 +136,7 @@ class ReferencePass(SessionState):
             lval = float(loss.detach().float())
             self._check_finite_reference(out, loss, lval)
             _check_loss_has_graph(loss)
-            self._phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
+            self.state.phase = None  # no forward hooks during backward (activation checkpointing re-runs forwards)
             try:
                 with self._fp32_reference_switches():
                     self._reference_backward(loss)
@@ -143,29 +150,29 @@ class ReferencePass(SessionState):
                 raise ModelRunError(f"the model raised {type(e).__name__} in its FP32 backward pass: {e}",
                                     hint=hint) from e
         finally:
-            self._phase = None
-        if not self._impacts_only:
+            self.state.phase = None
+        if not self.state.impacts_only:
             self._param_grad_histograms()
-        self._clone_cache.clear()
+        self.state.clone_cache.clear()
         self._stat_cache.clear()
         self.reference = RunRecord(format=Format.FP32, loss=lval, wall_s=time.perf_counter() - t0)
         return self.reference
 
     def _reference_backward(self, loss: torch.Tensor) -> None:
-        """The FP32 backward. At the second order (``_impacts_only``) only dL/dy of the module outputs the loss
+        """The FP32 backward. At the second order (``state.impacts_only``) only dL/dy of the module outputs the loss
         impacts read is asked for, so autograd skips every parameter's gradient (docs/performance.md, "Second
         order"); a graph with reentrant activation checkpointing, which supports ``backward()`` only, and one where a
         view output was changed in place (its hook moved to a node: capture/output_grads.py) take the whole
         backward."""
-        edges, self._grad_edges = self._grad_edges, []
+        edges, self.state.grad_edges = self.state.grad_edges, []
         reentrant = _reentrant_checkpoint(loss)
-        if reentrant and not self._impacts_only and not any("reentrant autograd" in w for w in self.warnings):
+        if reentrant and not self.state.impacts_only and not any("reentrant autograd" in w for w in self.warnings):
             self.warnings.append(
                 "the model checkpoints activations with a reentrant autograd function of its own (not "
                 "torch.utils.checkpoint, which the audit runs non-reentrant: docs/memory.md): the modules inside "
                 "those segments have no gradient ranges and no first-order loss impacts; use "
                 "torch.utils.checkpoint or turn the library's checkpointing off for the audit")
-        if not (self._impacts_only and self._outputs_only_backward) or self._views_rebased or reentrant:
+        if not (self.state.impacts_only and self.ranks.outputs_only_backward) or self.state.views_rebased or reentrant:
             loss.backward()
         elif edges:
             torch.autograd.grad(loss, edges, allow_unused=True)
@@ -199,40 +206,42 @@ class ReferencePass(SessionState):
                 rec.grad_param.merge(h)
                 self.grad_all.merge(h)
                 if h.nonfinite:
-                    self._ref_grad_nonfinite[id(p)] = nonfinite_where(owned_part(p.grad).detach())
+                    self.state.ref_grad_nonfinite[id(p)] = nonfinite_where(owned_part(p.grad).detach())
+        # those taken from the backward as they arrived, over ranks (capture/ranks.py)
+        self.ranks.param_grads_taken(self.layers, self._modules, self.grad_all, self.state.ref_grad_nonfinite)
 
     def _note_producer(self, rec: LayerRecord, slot: int, y: torch.Tensor) -> bool:
         """Remember ``rec`` as the producer of ``y``; False when an inner module produced it already (a
         container passing its child's output on), True for a new tensor (an in-place op makes a new version)."""
         key = (id(y), y._version)
-        hit = self._producers.get(key)
+        hit = self.state.producers.get(key)
         if hit is not None and hit[0]() is y:
             return False
-        self._producers[key] = (weakref.ref(y), rec, slot)
+        self.state.producers[key] = (weakref.ref(y), rec, slot)
         return True
 
     def _note_consumer(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Record ``m`` as a consumer of every input tensor another module produced in this pass."""
         name = self._names.get(id(m), "?")
         for x in float_tensors((args, kwargs)):
-            hit = self._producers.get((id(x), x._version))
+            hit = self.state.producers.get((id(x), x._version))
             if hit is not None and hit[0]() is x:
                 hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
     def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
-        if self._impacts_only:
+        if self.state.impacts_only:
             # the repeat at the second order: no op tracker ran; the first pass's counts of the same call
-            own_ops, own_work = self._call_ops.get((id(m), rec.calls), (own_ops, own_work))
+            own_ops, own_work = self.state.call_ops.get((id(m), rec.calls), (own_ops, own_work))
         else:
-            self._call_ops[(id(m), rec.calls)] = (own_ops, own_work)
+            self.state.call_ops[(id(m), rec.calls)] = (own_ops, own_work)
         rec.calls += 1
         rec.own_ops += own_ops
         if rec.calls == 1:
             rec.output_shapes = [list(y.shape) for y in ys]
-        if not self._impacts_only:  # histograms and FP32 references: the first pass's records only
+        if not self.state.impacts_only:  # histograms and FP32 references: the first pass's records only
             for y in ys:
                 rec.activation.merge(self._hist_of(y))
-            self._ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
+            self.state.ref_outputs.setdefault(id(m), []).append([self._clone_ref(y) for y in ys])
         computes = own_ops > 0
         rec.computes = rec.computes or computes
         # A container whose own work in this call is additions only (a residual add) is not re-run: its local
@@ -266,29 +275,33 @@ class ReferencePass(SessionState):
         """A :class:`BatchCall` when every tensor argument of this call is one of the batch's, unchanged, and the
         format passes can stand in for its re-runs (emulated mode, one process, no mutable objects in the call)."""
         rng, snapshot = pre_rng.rng, pre_rng.snapshot
-        if not self._batch_calls or self.config.mode != "emulated" or snapshot is not None:
+        if not self.ranks.batch_calls or self.config.mode != "emulated" or snapshot is not None:
             return None
         ts = _tensors_in((args, kwargs))
         for t in ts:
-            hit = self._batch_tensors.get(id(t))
+            hit = self.state.batch_tensors.get(id(t))
             if hit is None or hit[0] is not t or hit[1] != t._version:
                 return None
         return BatchCall(rng=rng, args=args, kwargs=kwargs, versions=[t._version for t in ts],
                          user_region=pre_rng.user_region, attributes=pre_rng.attributes)
 
     def _defer_to_format_passes(self, m, rec: LayerRecord, call: BatchCall, ys) -> None:
-        self._batch_call_records[(id(m), rec.calls - 1)] = call
+        self.state.batch_call_records[(id(m), rec.calls - 1)] = call
         for fmt in self.config.formats:
             fs = rec.formats[fmt]
             if fs.local is None:
                 fs.local_note = batch_call_note(fmt)
-        if self._impacts_only:
-            call.refs = [self._refs.keep(y) for y in ys]
+        if self.state.impacts_only:
+            call.refs = [self.state.refs.keep(y) for y in ys]
         for i, y in enumerate(ys):
             if y.requires_grad:
-                self._out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
+                self.state.out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
 
     def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
+        """:meth:`_rerun_alone`, as the ranks run it (capture/ranks.py)."""
+        return self.ranks.local_rerun(rec, ys, lambda: self._rerun_alone(m, rec, args, kwargs, ys, pre))
+
+    def _rerun_alone(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
         bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
         diffs: dict[Format, list[Kept]] = {}
@@ -331,14 +344,14 @@ class ReferencePass(SessionState):
                     fs.local_note = None
                 finite: list[bool | None] = []
                 for y, p in zip(ys, ps):
-                    if self._impacts_only:  # the second order's local errors are not read (capture/noise.py)
+                    if self.state.impacts_only:  # the second order's local errors are not read (capture/noise.py)
                         finite.append(None)
                         continue
                     before = fs.local.ref_nonfinite
                     fs.local.update(y, p)
                     finite.append(fs.local.ref_nonfinite == before)
                 if any(y.requires_grad for y in ys):
-                    diffs[fmt] = [self._refs.stash(_diff_bf16(y.detach(), p.detach(), ok))
+                    diffs[fmt] = [self.state.refs.stash(_diff_bf16(y.detach(), p.detach(), ok))
                                   for y, p, ok in zip(ys, ps, finite)]
         finally:
             put_attributes_back(attributes)
@@ -381,7 +394,7 @@ class ReferencePass(SessionState):
         would be (same bf16 difference, same product); ``local``: also merge the outputs into this local error."""
         impacts = []
         for i, (r, p) in enumerate(zip(refs, ps)):
-            y = self._refs.on(r, p)
+            y = self.state.refs.on(r, p)
             finite: bool | None = None
             if local is not None:
                 before = local.ref_nonfinite
@@ -410,10 +423,10 @@ class ReferencePass(SessionState):
     def _reference_grad(self, rec: LayerRecord, g: torch.Tensor, diffs: dict[Format, Kept] | None,
                         own: tuple[int, Any] | None) -> None:
         """dL/dy of one output in the FP32 backward: its histogram, and each format's first-order loss impact."""
-        if not self._impacts_only:  # the repeat at the second order: histograms are the first pass's records
+        if not self.state.impacts_only:  # the repeat at the second order: histograms are the first pass's records
             self._grad_histograms(rec, g, own)
         for f, d in (diffs or {}).items():
-            impact = dot64(g, self._refs.for_stats(d, g))
+            impact = dot64(g, self.state.refs.for_stats(d, g))
             fs = rec.formats[f]
             fs.loss_impact += impact
             fs.loss_impact_abs += abs(impact)
@@ -425,7 +438,7 @@ class ReferencePass(SessionState):
         rec.grad_output.merge(h)
         self.grad_all.merge(h)
         if own is not None:
-            y, loss = own[1](), self._loss_ref() if self._loss_ref is not None else None
+            y, loss = own[1](), self.state.loss_ref() if self.state.loss_ref is not None else None
             # dL/dL of the loss itself (or of a scalar the model returns as a loss): not a gradient
             # any format computes, so it is kept apart from the loss-scale statistics
             if (y is not None and loss is not None and is_the_loss(y, loss)) or (rec.name == "" and g.numel() == 1):

@@ -57,12 +57,13 @@ from .memory import SavedTensorCounter
 from .model_state import ModelState
 from .op_tracker import OpTracker
 from .output_grads import OutputGradHooks
+from .ranks import GradHook, Ranks, tensor_key
 from .records import CaptureResult, LayerRecord, RunRecord, float_tensors
-from .reference_pass import BatchCall, ReferencePass, _tensors_in, pre_call
+from .reference_pass import ReferencePass, _tensors_in, pre_call
 from .reference_store import Kept, ReferenceStore, release_free_heap
 from .reseeds import ReproducibleReseeds
 from .rng_replay import RandomDraws, recording, replaying
-from .session_state import CallStack, RngState, StepControls
+from .session_state import CallStack, PassState, RngState, StepControls
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .timing import StepTimer
 from .user_autocast import UserAutocast
@@ -84,13 +85,6 @@ class CaptureSession(ReferencePass, FormatPasses):
             result = s.result()
     """
 
-    #: whether a module called on the batch itself takes its local error from the format passes instead of a
-    #: re-run (capture/reference_pass.py, BatchCall); the distributed session, which adds up the re-runs' figures
-    #: over ranks after the reference pass, keeps the re-runs
-    _batch_calls = True
-    #: whether the second order's backward asks for the module outputs' gradients only (capture/reference_pass.py,
-    #: _reference_backward); the distributed session's FSDP2 hooks need every parameter's gradient
-    _outputs_only_backward = True
     #: each forward's saved-tensor counter, until its pass is over: then its saved tensors are let go, so that a
     #: graph no backward freed goes too (capture/memory.py, _Saved)
     _counters: list[SavedTensorCounter]
@@ -102,8 +96,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         loss_of: Callable[[Any], torch.Tensor],
         config: CaptureConfig,
         progress: Callable[[str], None] | None = None,
+        *,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = config
+        # what an audit split over ranks changes (capture/ranks.py); one process: nothing
+        self.ranks = ranks if ranks is not None else Ranks()
         self._forward = forward
         self._loss_of = loss_of
         self._progress = progress or (lambda msg: None)
@@ -124,47 +122,19 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.grad_all = MagnitudeHistogram()
         self.reference: RunRecord | None = None
         self.runs: dict[Format, RunRecord] = {}
-        # parameter -> where its FP32 gradient is not finite (only parameters that have such positions): a format
-        # pass is judged on the non-finite gradients it adds, not on FP32's own (docs/report.md)
-        self._ref_grad_nonfinite: dict[int, torch.Tensor] = {}
         self.step_times: dict[str, list[float]] = {}
         self.memory: dict[str, dict[str, int]] = {}
         self.traces: dict[str, bytes] = {}
         self.warnings: list[str] = []
         # per-run state
-        self._phase: Format | str | None = None
         self._pre_rng: list[Any] = []
         self._draws = RandomDraws()  # cuda mode: the reference's random draws, replayed in the other passes
-        self._draw_mismatches = 0
-        # Calls on the batch itself (capture/reference_pass.py, BatchCall): the root call's tensor arguments with
-        # their versions, and (module, call) -> what the format passes need to measure the call's local error
-        self._batch_tensors: dict[int, tuple[torch.Tensor, int]] = {}
-        self._batch_call_records: dict[tuple[int, int], BatchCall] = {}
-        # the second order's format forwards (capture/noise.py): name -> format -> |loss impact| of batch calls
-        self._batch_sink: dict[str, dict[Format, float]] | None = None
-        # the second order's backward: the gradient edges of the module outputs its loss impacts read; a forward's
-        # dL/dy hooks (capture/output_grads.py); the model's autocast regions (capture/user_autocast.py)
-        self._grad_edges: list[Any] = []
-        self._out_hooks, self._views_rebased = OutputGradHooks(), False
-        # called with (output, loss) of the next FP32 forward: the second order's (capture/noise.py, _Fp32Order)
-        self._on_reference_output: Callable[[Any, torch.Tensor], None] | None = None
-        # The reference pass repeated at the second reduction order (capture/noise.py) is read for its loss
-        # impacts only: it skips what only the first pass's records use (docs/performance.md, "Second order")
-        self._impacts_only = False
-        # (module, call) -> (own ops, own ops other than additions), from the first reference forward's op
-        # tracker: the repeat at the second order runs the same ops and reads them from here, untracked
-        self._call_ops: dict[tuple[int, int], tuple[int, int]] = {}
-        self._call_index: dict[int, int] = {}
-        self._ref_outputs: dict[int, list[list[Kept]]] = {}
-        self._clone_cache: dict[int, tuple[weakref.ref, int, Kept]] = {}
-        # the reference's kept tensors: on the host on a GPU, in a temporary file on a CPU (reference_store.py)
-        self._refs = ReferenceStore(config.device)
+        # the per-pass state the session's parts share (capture/session_state.py); its references' store: on the
+        # host on a GPU, in a temporary file on a CPU (reference_store.py)
+        self.state = PassState(ReferenceStore(config.device))
+        self.ranks.bind(self.calls, self.state.refs, self._grad_nonfinite)
         self._stat_cache: dict[tuple, tuple[weakref.ref, Any]] = {}  # per pass, weakly keyed by the tensors
         self._loss_scale = 1.0
-        # reference pass: which module produced each output tensor (by identity and version), and the loss
-        # tensor, so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
-        self._producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = {}
-        self._loss_ref: Any = None
         self._hooks: list[Any] = []
         self._exit = contextlib.ExitStack()
         self._policy: CudaAutocastPolicy | None = None
@@ -172,16 +142,20 @@ class CaptureSession(ReferencePass, FormatPasses):
         # The dispatch mode costs a Python call per op; it is switched on only when the model hits a CPU
         # kernel with no Half/BFloat16 implementation (then every later pass uses it).
         self._use_gemm_mode = False
-        self._timer, self._counters = StepTimer(self, self._step_controls()), []
+        # what the step timer and the second order (capture/noise.py) may do to the runs
+        self.controls = self._step_controls()
+        self._timer, self._counters = StepTimer(self, self.controls), []
 
     def _step_controls(self) -> StepControls:
-        """What the step timer may do to the runs (looked up at each call: a subclass's own ``_reset`` counts)."""
+        """What the step timer and the second order may do to the runs (looked up at each call: an instance's own
+        replacement counts)."""
         return StepControls(
             self.calls, reset=lambda: self._reset(), install_hooks=lambda: self._install_hooks(),
-            remove_hooks=lambda: self._remove_hooks(), set_phase=lambda p: setattr(self, "_phase", p),
+            remove_hooks=lambda: self._remove_hooks(), set_phase=lambda p: setattr(self.state, "phase", p),
             fp32_switches=lambda: self._fp32_reference_switches(), autocast=lambda f: self._autocast(f),
             backward_context=lambda f: self._backward_context(f),
-            loss=lambda: self._loss_of(self._forward(self.model)))
+            loss=lambda: self._loss_of(self._forward(self.model)), forward=lambda: self._forward(self.model),
+            loss_of=lambda out: self._loss_of(out), same_draws=lambda p: self._same_draws(p))
 
     # -- context -------------------------------------------------------------------------------------
     def __enter__(self) -> CaptureSession:
@@ -232,15 +206,15 @@ class CaptureSession(ReferencePass, FormatPasses):
         with _NoInterrupt():
             try:
                 self._remove_hooks()
-                self._ref_outputs.clear()
-                self._clone_cache.clear()
+                self.state.ref_outputs.clear()
+                self.state.clone_cache.clear()
                 self._stat_cache.clear()
-                self._producers.clear()
+                self.state.producers.clear()
                 self._draws.clear()
-                self._call_ops.clear()
-                self._batch_call_records.clear()  # their FP32 outputs are in the store: released with it
+                self.state.call_ops.clear()
+                self.state.batch_call_records.clear()  # their FP32 outputs are in the store: released with it
                 self._release_saved()
-                self._refs.close()
+                self.state.refs.close()
             finally:
                 try:
                     if self._prepared:
@@ -274,11 +248,12 @@ class CaptureSession(ReferencePass, FormatPasses):
         self.calls.own_ops.clear()
         self.calls.own_work.clear()
         self._pre_rng.clear()
-        self._call_index.clear()
+        self.state.call_index.clear()
         self._stat_cache.clear()
-        self._producers.clear()
-        self._loss_ref = None
+        self.state.producers.clear()
+        self.state.loss_ref = None
         release_free_heap()  # the last pass's freed activations, back to the system (capture/reference_store.py)
+        self.ranks.reset()
 
     def _rng_state(self) -> RngState:
         cuda = torch.cuda.get_rng_state(self.config.device) if self.config.mode == "cuda" else None
@@ -359,13 +334,13 @@ class CaptureSession(ReferencePass, FormatPasses):
             try:
                 yield
             finally:
-                self._draw_mismatches += r.mismatches
+                self.state.draw_mismatches += r.mismatches
 
     def _draw_warnings(self) -> list[str]:
-        if not self._draw_mismatches:
+        if not self.state.draw_mismatches:
             return []
-        return [f"{self._draw_mismatches} random draw(s) in the low-precision passes (counted per pass and re-run) "
-                "had no draw of the same shape at the same position in the FP32 reference and were drawn anew: "
+        return [f"{self.state.draw_mismatches} random draw(s) in the low-precision passes (counted per pass and "
+                "re-run) had no draw of the same shape at the same position in the FP32 reference and were drawn anew: "
                 "their dropout masks (or noise) "
                 "differ from the reference's, so the errors of the modules after them include that difference"]
 
@@ -387,15 +362,15 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     # A module's output is often its parent's too (a Sequential returns its last child's output): statistics of
     # one tensor are computed once per pass and merged into every record that sees it.
-    @staticmethod
-    def _tensor_key(t: Kept) -> tuple:
-        return (id(t), t._version, t.data_ptr(), tuple(t.shape), t.dtype)
-
     def _cached(self, kind: str, tensors: tuple[Kept, ...], make: Callable[[], Any],
                 operands: Callable[[], tuple[torch.Tensor, ...]] | None = None) -> Any:
         """``make()``'s statistics object for these tensors, computed once per pass (from ``operands()`` when
         given: the same values, where the statistic reads them)."""
-        key = (kind, *(self._tensor_key(t) for t in tensors))
+        # a tensor every rank holds alike is counted on one (capture/ranks.py); asked on every rank, in every pass
+        if self.state.phase is not None and not self.ranks.counted_here(
+                tensors[-1], lambda: f"a {kind} statistic of {self._where()}"):
+            return make()
+        key = (kind, *(tensor_key(t) for t in tensors))
         hit = self._stat_cache.get(key)
         if hit is None or hit[0]() is not tensors[-1]:
             stats = make()
@@ -405,6 +380,10 @@ class CaptureSession(ReferencePass, FormatPasses):
             hit = self._stat_cache[key] = (weakref.ref(tensors[-1]), stats)
         return hit[1]
 
+    def _where(self) -> str:
+        """The module call running now, for a message."""
+        return f"'{self._names.get(self.calls.stack[-1], '?') or '(root)'}'" if self.calls.stack else "the model"
+
     def _hist_of(self, t: torch.Tensor) -> MagnitudeHistogram:
         return self._cached("hist", (t,), MagnitudeHistogram)
 
@@ -413,44 +392,45 @@ class CaptureSession(ReferencePass, FormatPasses):
 
     def _error_of(self, r: Kept, y: torch.Tensor) -> ErrorStats:
         # r, the reference's output, may be on the host (capture/reference_store.py): compared on y's device
-        return self._cached("err", (r, y), ErrorStats, lambda: (self._refs.for_stats(r, y), y))
+        return self._cached("err", (r, y), ErrorStats, lambda: (self.state.refs.for_stats(r, y), y))
 
     def _clone_ref(self, t: torch.Tensor) -> Kept:
         # the same tensor (a weak reference: once it is freed, its id may be another tensor's), unchanged since
-        hit = self._clone_cache.get(id(t))
+        hit = self.state.clone_cache.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
-        c = self._refs.keep(t)
-        self._clone_cache[id(t)] = (weakref.ref(t), t._version, c)
+        c = self.state.refs.keep(t)
+        self.state.clone_cache[id(t)] = (weakref.ref(t), t._version, c)
         return c
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _pre_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._phase == "profile":
+        if self.state.phase == "profile":
             self._timer.pre(m)
             return
-        if self._phase is None or self.calls.rerunning:
+        if self.state.phase is None or self.calls.rerunning:
             return
+        self.ranks.module_called(self._names.get(id(m), "?") or "(root)")
         with _disable_current_modes():  # our bookkeeping is neither the model's ops nor worth tracking
             self.calls.stack.append(id(m))
             self.calls.own_ops.append(0)
             self.calls.own_work.append(0)
-            if self._phase == "ref":
+            if self.state.phase == "ref":
                 if m is self.model:  # the batch as the model is given it (calls on it: BatchCall)
-                    self._batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
+                    self.state.batch_tensors = {id(t): (t, t._version) for t in _tensors_in((args, kwargs))}
                 self._pre_rng.append(pre_call(self._rng_state(), m, args, kwargs, len(self._draws),
                                               self._user_autocast.innermost))
                 self._layer(m)  # records are ordered by first call (pre-order of execution)
                 self._note_consumer(m, args, kwargs)
             else:  # a format pass: the random state before a call on the batch, to check it is the FP32 pass's
-                key = (id(m), self._call_index.get(id(m), 0))
-                self._pre_rng.append(self._rng_state() if key in self._batch_call_records else None)
+                key = (id(m), self.state.call_index.get(id(m), 0))
+                self._pre_rng.append(self._rng_state() if key in self.state.batch_call_records else None)
 
     def _post_hook(self, m: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self._phase == "profile":
+        if self.state.phase == "profile":
             self._timer.post(m)
             return
-        if self._phase is None or self.calls.rerunning:
+        if self.state.phase is None or self.calls.rerunning:
             return
         if not self.calls.stack or self.calls.stack[-1] != id(m):
             return  # a hook registered mid-call; ignore
@@ -465,24 +445,24 @@ class CaptureSession(ReferencePass, FormatPasses):
         own_work = self.calls.own_work.pop()
         pre_rng = self._pre_rng.pop()
         ys = float_tensors(output)
-        if self._batch_sink is not None:  # the second order's format forward: calls on the batch only
+        self.ranks.outputs(self._names.get(id(m), "?") or "(root)", ys)
+        if self.state.batch_sink is not None:  # the second order's format forward: calls on the batch only
             self._post_batch_only(m, args, kwargs, pre_rng, ys)
             return
         rec = self._layer(m)
         diffs: dict[Format, list[Kept]] = {}
-        if self._phase == "ref":
+        if self.state.phase == "ref":
             diffs = self._post_reference(m, rec, args, kwargs, ys, own_ops, pre_rng, own_work)
         else:
             self._post_format(m, rec, ys, args, kwargs, pre_rng)
         for i, y in enumerate(ys):
-            own = self._phase == "ref" and self._note_producer(rec, i, y)
+            own = self.state.phase == "ref" and self._note_producer(rec, i, y)
             if y.requires_grad:
-                self._out_hooks.register(y, self._grad_hook(rec, {f: d[i] for f, d in diffs.items()},
-                                                            (i, weakref.ref(y)) if own else None),
-                                         functools.partial(self._grad_lost, rec, i))
-                if self._impacts_only:  # the gradients the second order's backward computes (_reference_backward)
-                    self._grad_edges.append(get_gradient_edge(y))
-        if self._phase == "ref" and ys and not any(y.requires_grad for y in ys) and NO_GRAD_NOTE not in rec.notes:
+                hook = self._grad_hook(rec, {f: d[i] for f, d in diffs.items()}, (i, weakref.ref(y)) if own else None)
+                self.state.out_hooks.register(y, hook, functools.partial(self._grad_lost, rec, i))
+                if self.state.impacts_only:  # the gradients the second order's backward computes (_reference_backward)
+                    self.state.grad_edges.append(get_gradient_edge(y))
+        if self.state.phase == "ref" and ys and not any(y.requires_grad for y in ys) and NO_GRAD_NOTE not in rec.notes:
             rec.notes.append(NO_GRAD_NOTE)
 
     # -- runs ----------------------------------------------------------------------------------------
@@ -490,20 +470,21 @@ class CaptureSession(ReferencePass, FormatPasses):
         """One forward (under autocast for a format) and the loss; errors name the module that raised."""
         counter = SavedTensorCounter(self.model, lambda: self.calls.stack[-1] if self.calls.stack else None)
         self._counters.append(counter)
-        self._out_hooks = OutputGradHooks()
+        self.state.out_hooks = OutputGradHooks()
         try:
             if fmt is None:
-                # the repeat at the second order reads the first pass's per-call op counts (_call_ops)
-                tracker = contextlib.nullcontext() if self._impacts_only else OpTracker(self.calls, self.model)
+                # the repeat at the second order reads the first pass's per-call op counts (state.call_ops)
+                tracker = contextlib.nullcontext() if self.state.impacts_only else OpTracker(self.calls, self.model)
                 with self._fp32_reference_switches(), counter, self._same_draws(None), tracker:
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
-                self._loss_ref = weakref.ref(loss)
+                self.state.loss_ref = weakref.ref(loss)
             else:
                 with counter, self._autocast(fmt), self._same_draws(fmt):
                     out = self._forward(self.model)
                     loss = self._loss_of(out)
-            self._views_rebased = self._out_hooks.settle(loss)  # outputs changed in place (capture/output_grads.py)
+            # outputs changed in place (capture/output_grads.py)
+            self.state.views_rebased = self.state.out_hooks.settle(loss)
             key = "fp32" if fmt is None else fmt.value
             self.memory[key] = {"activation_bytes": counter.tally.activation_bytes,
                                 "weight_copy_bytes": counter.tally.weight_copy_bytes}
@@ -521,9 +502,14 @@ class CaptureSession(ReferencePass, FormatPasses):
         return out, loss
 
     def _grad_hook(self, rec: LayerRecord, diffs: dict[Format, Kept] | None = None,
-                   own: tuple[int, Any] | None = None):
+                   own: tuple[int, Any] | None = None) -> GradHook:
+        """The hook of one of ``rec``'s outputs, as the ranks make it (capture/ranks.py) from :meth:`_own_grad_hook`."""
+        return self.ranks.grad_hook(rec, diffs, own, self._own_grad_hook)
+
+    def _own_grad_hook(self, rec: LayerRecord, diffs: dict[Format, Kept] | None = None,
+                       own: tuple[int, Any] | None = None) -> GradHook:
         """``own``: (slot, weak reference to the tensor) when ``rec`` produced it (reference pass)."""
-        phase = self._phase
+        phase = self.state.phase
 
         def hook(g: torch.Tensor) -> None:
             if g is None:
@@ -535,7 +521,7 @@ class CaptureSession(ReferencePass, FormatPasses):
         return hook
 
     def _grad_lost(self, rec: LayerRecord, slot: int) -> None:
-        where = f"the {self._phase.value} pass" if isinstance(self._phase, Format) else "the FP32 pass"
+        where = f"the {self.state.phase.value} pass" if isinstance(self.state.phase, Format) else "the FP32 pass"
         note = (f"dL/dy of output {slot} not measured in {where}: the output is a view of part of a larger tensor "
                 "and a later op changed it in place, so autograd keeps no gradient of the value the module "
                 "returned; its gradient ranges and loss impacts leave that call out")
@@ -575,8 +561,8 @@ class CaptureSession(ReferencePass, FormatPasses):
             grad_all=self.grad_all,
             step_times_s=dict(self.step_times),
             emulation=emulation,
-            warnings=list(self.warnings) + self._draw_warnings() + ([self._refs.note] if self._refs.note else [])
-            + self._reseeds.warning(),
+            warnings=list(self.warnings) + self._draw_warnings()
+            + ([self.state.refs.note] if self.state.refs.note else []) + self._reseeds.warning(),
             memory=dict(self.memory),
             traces=dict(self.traces),
             outside_ops=self.calls.outside_ops,

@@ -17,24 +17,30 @@ left to accumulate and is read after the backward, as are DDP's and any gradient
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..capture.calls import CallStack
 from ..capture.stats import MagnitudeHistogram
 from ..formats import Format
 from .tensors import owned_part
 
 
 class GradTaker:
-    """Post-accumulate-grad hooks on every FSDP2-sharded parameter of ``session``'s model (module docstring).
+    """Post-accumulate-grad hooks on every FSDP2-sharded parameter of the session's model (module docstring).
 
     ``phase`` says what a gradient is read for: ``"ref"`` (its histogram, and where it is not finite), a
     :class:`Format` (non-finite elements the format adds), or ``None`` (nothing: the second-order repeat of the
-    FP32 pass, timed steps); it is freed in every case."""
+    FP32 pass, timed steps); it is freed in every case. ``calls``: the session's call stack (a local re-run
+    registers no reduce-scatter); ``grad_nonfinite``: the session's count of a gradient's non-finite elements
+    (added, shared with FP32's: capture/format_pass.py)."""
 
-    def __init__(self, session: Any) -> None:
-        self.session = session
+    def __init__(self, calls: CallStack, grad_nonfinite: Callable[[torch.Tensor, torch.Tensor], tuple[int, int]]
+                 ) -> None:
+        self.calls = calls
+        self.grad_nonfinite = grad_nonfinite
         self.phase: Format | str | None = None
         self.histograms: dict[int, tuple[MagnitudeHistogram, torch.Tensor | None]] = {}
         self.nonfinite: dict[int, tuple[int, int]] = {}
@@ -62,25 +68,25 @@ class GradTaker:
         self._handles.clear()
 
     def reset(self) -> None:
-        """Before every pass (the session's ``_reset``)."""
+        """Before every pass (RankReductions.reset, precision_audit/distributed/session.py)."""
         self.histograms.clear()
         self.nonfinite.clear()
         self._calls.clear()
 
     def _count(self, module: torch.nn.Module, args: Any) -> None:
         # a local re-run (no autograd) and a forward without autograd register no backward reduce-scatter
-        if torch.is_grad_enabled() and not self.session.calls.rerunning:
+        if torch.is_grad_enabled() and not self.calls.rerunning:
             self._calls[id(module)] = self._calls.get(id(module), 0) + 1
 
     def _take(self, p: torch.Tensor) -> None:
         grad = p.grad
         if grad is None or self._calls.get(self._unit_of.get(id(p), -1), 0) != 1:
             return  # left in place: read after the backward, as without this hook
-        if self.phase == "ref" and not self.session._impacts_only:
+        if self.phase == "ref":
             h = MagnitudeHistogram()
-            h.update(owned_part(grad))  # what ReferencePass._param_grad_histograms counts
+            h.update(owned_part(grad))  # what the reference pass counts (capture/reference_pass.py)
             mask = ~torch.isfinite(owned_part(grad).detach()) if h.nonfinite else None
             self.histograms[id(p)] = (h, mask)
         elif isinstance(self.phase, Format):
-            self.nonfinite[id(p)] = self.session._grad_nonfinite(p, grad)
+            self.nonfinite[id(p)] = self.grad_nonfinite(p, grad)
         p.grad = None

@@ -4,7 +4,8 @@ A module whose every tensor argument is one of the batch's own tensors (the body
 its task head, an encoder on the input features) gets the same inputs in every format pass, so its output there
 *is* its re-run: capture/reference_pass.py (``BatchCall``) takes the local error, the first-order loss impact
 and, at the second reduction order, the impact from those passes, and does not re-run it. The reference for
-every figure is the re-run path itself (``_batch_calls = False``): the same numbers, fewer re-runs.
+every figure is the re-run path itself (``Ranks.batch_calls = False``, capture/ranks.py): the same numbers, fewer
+re-runs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.capture.noise import measure_noise_floor
+from precision_audit.capture.ranks import Ranks
 from precision_audit.capture.reference_pass import batch_call_note
 from precision_audit.formats import Format
 
@@ -62,7 +64,7 @@ def _capture(model, forward, loss_of, batch_calls: bool, monkeypatch):
         return _RERUN(self, m, fmt, *a, **k)
 
     monkeypatch.setattr(CaptureSession, "_rerun_once", spy)
-    monkeypatch.setattr(CaptureSession, "_batch_calls", batch_calls)
+    monkeypatch.setattr(Ranks, "batch_calls", batch_calls)
     with CaptureSession(model, forward, loss_of, CaptureConfig(FORMATS)) as s:
         s.reference_run()
         for f in FORMATS:
@@ -170,7 +172,7 @@ class PooledIn3d(nn.Module):
 def test_the_fp32_fallback_retry_keeps_the_re_runs_impacts_and_measures_the_batch_calls_again(monkeypatch):
     torch.manual_seed(0)
     model, x = PooledIn3d(), torch.randn(8, 8)
-    monkeypatch.setattr(CaptureSession, "_batch_calls", True)
+    monkeypatch.setattr(Ranks, "batch_calls", True)
     with CaptureSession(model, lambda m: m(x), lambda y: y.float().pow(2).mean(),
                         CaptureConfig((Format.FP16,))) as s:
         s.reference_run()

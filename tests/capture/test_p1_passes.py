@@ -12,8 +12,10 @@ from conftest import ROOT
 from precision_audit.audit import SubjectRun, load_subject, set_up
 from precision_audit.capture import op_tracker, reference_pass
 from precision_audit.capture.noise import second_order_impacts
+from precision_audit.capture.ranks import Ranks
 from precision_audit.capture.reference_pass import _diff_bf16
 from precision_audit.capture.session import CaptureConfig, CaptureSession
+from precision_audit.capture.session_state import PassState
 from precision_audit.options import AuditOptions
 
 
@@ -52,10 +54,10 @@ def test_diff_bf16_with_an_overflowing_sum_is_still_exact():
     assert _same_bits(_diff_bf16(y, p, None), _masked(y, p))
 
 
-class _Before(CaptureSession):
+class _Before(PassState):
     """The repeat records everything as the first pass does (the flag cannot be set)."""
 
-    _impacts_only = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
+    impacts_only = property(lambda self: False, lambda self, value: None)  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("sample", ["tiny_gpt", "cnn"])
@@ -81,9 +83,9 @@ def test_second_order_impacts_equal_the_full_repeat_and_skip_the_tracker(sample,
         assert note is None and lean
         assert len(trackers) == 1  # the first pass's tracker only: the repeat reads its counts
         assert {r.name: (r.activation.counts.tolist(), r.calls) for r in s.layers.values()} == first
-        s.__class__ = _Before
+        s.state.__class__ = _Before
         full, _ = second_order_impacts(s, 2)
-        s.__class__ = CaptureSession
+        s.state.__class__ = PassState
     assert len(trackers) == 2
     assert lean == full  # exactly: same impacts per module and format, the same modules measured
     assert any(v is not None and v > 0 for per in lean.values() for v in per.values())
@@ -105,7 +107,7 @@ def test_the_flag_is_off_after_the_repeat_even_when_it_fails(monkeypatch):
         monkeypatch.setattr(reference_pass.ReferencePass, "_local_rerun", boom)
         impacts, note = second_order_impacts(s, 2)
         assert impacts is None and "boom" in note
-        assert s._impacts_only is False
+        assert s.state.impacts_only is False
 
 
 class _Wide(torch.nn.Module):
@@ -150,7 +152,7 @@ def test_the_noise_floors_fp32_forward_is_the_repeats_own(monkeypatch):
                     s.format_run(f)
                 nf = measure_noise_floor(s, s.config.formats)
                 # kept as the references are (a file on a CPU): read back while the session is open
-                outputs = [s._refs.on(o, x).tolist() for o in nf.outputs or []]
+                outputs = [s.state.refs.on(o, x).tolist() for o in nf.outputs or []]
         finally:
             monkeypatch.setattr(noise, "second_order_impacts", real)
         return (nf.reference_loss, nf.loss_rel, nf.output_rel_error, nf.layers,
@@ -202,7 +204,7 @@ def test_the_second_orders_backward_asks_for_the_outputs_gradients_only(monkeypa
     monkeypatch.setattr(torch.autograd, "grad", spy)
 
     def impacts(outputs_only: bool):
-        monkeypatch.setattr(CaptureSession, "_outputs_only_backward", outputs_only)
+        monkeypatch.setattr(Ranks, "outputs_only_backward", outputs_only)
         torch.manual_seed(0)
         model, ids = _Awkward(reentrant, view), torch.randint(0, 32, (4, 8))
         with CaptureSession(model, lambda m: m(ids), lambda y: y.pow(2).mean(),

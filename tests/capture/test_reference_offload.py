@@ -115,7 +115,7 @@ def test_the_pinned_host_memory_goes_back_when_the_session_ends():
             s.reference_run()
             s.format_run(Format.BF16)
             s.result()
-            assert s._refs.pinned_used and fake.host.peak > 0, "the references went to pinned host memory"
+            assert s.state.refs.pinned_used and fake.host.peak > 0, "the references went to pinned host memory"
         gc.collect()
         assert fake.host.active == 0, f"{fake.host.active} bytes of pinned blocks still held after the session"
         assert fake.host.cached_bytes == 0, f"{fake.host.cached_bytes} bytes of freed pinned blocks kept cached"

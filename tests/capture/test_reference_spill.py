@@ -47,7 +47,7 @@ def _figures(spill: bool, monkeypatch, tmp_path) -> tuple[dict, ReferenceStore]:
     stores: list[ReferenceStore] = []
     with _session(spill, monkeypatch, tmp_path, stores) as s:
         s.reference_run()
-        assert all(isinstance(r, Spilled) for calls in s._ref_outputs.values() for c in calls for r in c) == spill
+        assert all(isinstance(r, Spilled) for calls in s.state.ref_outputs.values() for c in calls for r in c) == spill
         assert os.listdir(tmp_path) == [], "the file is unlinked as soon as it is made"
         for f in (Format.FP16, Format.BF16):
             s.format_run(f)

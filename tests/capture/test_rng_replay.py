@@ -74,7 +74,7 @@ def test_the_reference_keeps_generator_states_not_masks():
             held = _held_tensors(s._draws)
             n_draws = len(s._draws)
             err = s.format_run(Format.BF16).output.rel_l2
-            mismatches = s._draw_mismatches
+            mismatches = s.state.draw_mismatches
     mask_elements = rows * width
     assert n_draws == 2
     assert held and max(t.numel() for t in held) < mask_elements / 4, \
