@@ -2,14 +2,13 @@
 
     python bench/emulation_overhead.py [--model sample_models/mlp/model.py] [--batch sample_models/mlp/sample.pt]
                                        [--repeats 50] [--rounds 9] [--scale-batch 1] [--probe] [--native]
-                                       [--no-compiled] [--torch-casts]
+                                       [--no-compiled]
 
 Goal: emulated step <= 1.5x the FP32 step. Times the FP32 step and the emulated BF16/FP16 steps with the Python
 kernels and with the compiled ones, in interleaved rounds, and prints the best and the median round of each with
 its ratio to FP32. The compiled kernels are obtained as an audit's default (``--kernels auto``) obtains them:
 loaded when built, else built once automatically (~20-40 s, needs a C++ compiler and ninja), with no manual
-step. ``--torch-casts`` also times the compiled kernels with their fast float32 <-> bfloat16 casts off (torch's
-own casts, as the kernels made them before: the before/after of those casts in one run). Nothing here is a test.
+step. Nothing here is a test.
 """
 
 from __future__ import annotations
@@ -58,8 +57,6 @@ def main() -> None:
                     help="interleaved rounds; best and median are printed (default: 9)")
     ap.add_argument("--no-compiled", action="store_true",
                     help="time the Python kernels only (default: also the compiled ones, building them if needed)")
-    ap.add_argument("--torch-casts", action="store_true",
-                    help="also time the compiled kernels with torch's casts instead of their fast bf16 casts")
     ap.add_argument("--scale-batch", type=int, default=1, help="repeat the batch along dim 0 this many times")
     ap.add_argument("--native", action="store_true", help="also time CPU-native autocast (slow: ~100x for GEMMs)")
     ap.add_argument("--probe", action="store_true",
@@ -105,25 +102,11 @@ def main() -> None:
         else:
             print(f"  compiled kernels not measured ({kind})")
 
-    @contextlib.contextmanager
-    def policy(kinds: str):
-        fast = kinds != "compiled, torch casts"
-        if kinds.startswith("compiled"):
-            compiled.ops().set_fast_casts(fast)
-        try:
-            with CudaAutocastPolicy(kinds.split(",")[0]):
-                yield
-        finally:
-            if kinds.startswith("compiled"):
-                compiled.ops().set_fast_casts(True)
-
-    if args.torch_casts and "compiled" in kernel_kinds:
-        kernel_kinds.insert(kernel_kinds.index("compiled"), "compiled, torch casts")
-    steps: dict[str, tuple] = {"fp32": (contextlib.nullcontext, step(lambda: torch.autocast("cpu", enabled=False)))}
+    steps = {"fp32": (contextlib.nullcontext, step(lambda: torch.autocast("cpu", enabled=False)))}
     for kinds in kernel_kinds:
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-            steps[f"emulated {name}, {kinds}" + (" kernels" if "," not in kinds else "")] = (
-                lambda kinds=kinds: policy(kinds), step(lambda dt=dt: emulated_autocast(dt)))
+            steps[f"emulated {name}, {kinds} kernels"] = (lambda kinds=kinds: CudaAutocastPolicy(kinds),
+                                                          step(lambda dt=dt: emulated_autocast(dt)))
     times = timed_rounds(steps, args.repeats, args.rounds)
     if args.native:
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -133,10 +116,10 @@ def main() -> None:
     base_min, base_med = min(times["fp32"]), statistics.median(times["fp32"])
     print(f"model {args.model}  batch x{args.scale_batch}  torch {torch.__version__}  threads {torch.get_num_threads()}"
           f"  {args.rounds} rounds x {args.repeats} steps")
-    print(f"{'step':<42} {'best ms':>8} {'/ fp32':>7} {'median ms':>10} {'/ fp32':>7}")
+    print(f"{'step':<36} {'best ms':>8} {'/ fp32':>7} {'median ms':>10} {'/ fp32':>7}")
     for k, v in times.items():
         best, med = min(v), statistics.median(v)
-        print(f"{k:<42} {best * 1e3:>8.3f} {best / base_min:>6.2f}x {med * 1e3:>10.3f} {med / base_med:>6.2f}x")
+        print(f"{k:<36} {best * 1e3:>8.3f} {best / base_min:>6.2f}x {med * 1e3:>10.3f} {med / base_med:>6.2f}x")
 
 
 if __name__ == "__main__":

@@ -27,15 +27,8 @@
 #include <torch/library.h>
 
 #include <ATen/Parallel.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <torch/csrc/autograd/InferenceMode.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/generated/Functions.h>
 
 #include <algorithm>
-#include <atomic>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -61,183 +54,12 @@ bool eligible(const at::Tensor& t) {
   return t.defined() && t.is_floating_point() && t.scalar_type() != at::kDouble && t.device().is_cpu();
 }
 
-// ---- Fast casts between float32 and bfloat16 (docs/performance.md, "Compiled kernels: fast casts") ----
-//
-// A rounding x.to(bf16).to(float) is two dispatcher calls, each through autograd (a ToCopyBackward0 node), an
-// allocation and TensorIterator's copy: a fixed cost of microseconds that dominates a small model's emulated step.
-// For a plain dense CPU tensor (no tensor subclass, no dispatch mode, autograd in its usual state) the casts below
-// make the same tensors in one tight loop and one allocation, and the same autograd nodes by hand: the same
-// ToCopyBackward0 chain (capture/memory.py and distributed/saved.py recognise weight copies by it), with the same
-// options, so the backward runs exactly what it ran before. Only float32 <-> bfloat16 is done so: torch's
-// conversion is c10::BFloat16's round to nearest even on the bits (no floating-point arithmetic, so no MXCSR mode
-// can change it); a tensor with a NaN (whose payload the vectorised and the scalar conversions write differently)
-// and everything else go through torch's own casts. A probe at first use compares the two on boundary values and
-// turns the fast casts off for good if they differ (tests/emulation/test_fast_casts.py compares them bit for bit).
-
-bool g_fast_casts = true;  // set_fast_casts(): tests and bench/emulation_overhead.py compare both paths
-
-inline uint32_t f32_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  return b;
-}
-inline float f32_of(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
-// c10::BFloat16's round_to_nearest_even for a value that is not NaN: the bf16 is the top 16 bits of the result
-inline uint32_t bf16_rounded(uint32_t b) { return b + 0x7fffu + ((b >> 16) & 1u); }
-inline uint32_t is_nan_bits(uint32_t b) { return static_cast<uint32_t>((b & 0x7fffffffu) > 0x7f800000u); }
-
-constexpr int64_t kCastGrain = 32768;  // at::internal::GRAIN_SIZE, as TensorIterator's copy splits
-
-// float32 -> bfloat16 -> float32 values; false (out unspecified) when a NaN is seen
-bool round_trip_bf16(const float* in, float* out, int64_t n) {
-  std::atomic<bool> nan{false};
-  at::parallel_for(0, n, kCastGrain, [&](int64_t lo, int64_t hi) {
-    uint32_t seen = 0;
-#pragma omp simd reduction(| : seen)
-    for (int64_t i = lo; i < hi; ++i) {
-      const uint32_t b = f32_bits(in[i]);
-      seen |= is_nan_bits(b);
-      out[i] = f32_of(bf16_rounded(b) & 0xffff0000u);
-    }
-    if (seen) nan = true;
-  });
-  return !nan;
-}
-
-bool to_bf16(const float* in, uint16_t* out, int64_t n) {
-  std::atomic<bool> nan{false};
-  at::parallel_for(0, n, kCastGrain, [&](int64_t lo, int64_t hi) {
-    uint32_t seen = 0;
-#pragma omp simd reduction(| : seen)
-    for (int64_t i = lo; i < hi; ++i) {
-      const uint32_t b = f32_bits(in[i]);
-      seen |= is_nan_bits(b);
-      out[i] = static_cast<uint16_t>(bf16_rounded(b) >> 16);
-    }
-    if (seen) nan = true;
-  });
-  return !nan;
-}
-
-void from_bf16(const uint16_t* in, float* out, int64_t n) {  // exact (NaN payloads too, as torch's shift)
-  at::parallel_for(0, n, kCastGrain, [&](int64_t lo, int64_t hi) {
-#pragma omp simd
-    for (int64_t i = lo; i < hi; ++i) {
-      out[i] = f32_of(static_cast<uint32_t>(in[i]) << 16);
-    }
-  });
-}
-
-// Is `t` a tensor whose casts the fast path makes exactly as torch's would: a dense CPU tensor with no subclass,
-// conjugate or negative bit, forward gradient, dispatch mode, functionalization or functorch layer in force, and
-// autograd neither excluded nor in inference mode.
-bool plain_for_fast_cast(const at::Tensor& t) {
-  static const c10::DispatchKeySet plain_keys = at::empty({0}, at::kFloat).key_set();
-  if (!t.defined() || t.key_set() != plain_keys || t.layout() != at::kStrided || t.numel() == 0 ||
-      !t.is_non_overlapping_and_dense()) {
-    return false;
-  }
-  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || c10::InferenceMode::is_enabled()) {
-    return false;
-  }
-  const auto local = c10::impl::tls_local_dispatch_key_set();
-  if (!(local.included_ - c10::default_included_set).empty() ||
-      local.excluded_.has_any(c10::autograd_dispatch_keyset_with_ADInplaceOrView)) {
-    return false;
-  }
-  return !(t.requires_grad() && t._fw_grad(/*level=*/0).defined());
-}
-
-// What VariableType's _to_copy records: a ToCopyBackward0 remembering the source's options, its input the result.
-c10::intrusive_ptr<torch::autograd::generated::ToCopyBackward0> cast_node(const at::TensorOptions& source,
-                                                                          torch::autograd::edge_list&& next) {
-  auto node = c10::make_intrusive<torch::autograd::generated::ToCopyBackward0>();
-  node->set_next_edges(std::move(next));
-  node->self_options = source;
-  return node;
-}
-
-bool probe_agrees();
-
-// t (float32) rounded to bfloat16 and back, or t (bfloat16) widened to float32, or t (float32) rounded to
-// bfloat16, as torch's casts make them with autograd; undefined when the fast path does not apply.
-at::Tensor fast_cast(const at::Tensor& t, at::ScalarType via, at::ScalarType to) {
-  const at::ScalarType from = t.defined() ? t.scalar_type() : at::kFloat;
-  const bool trip = from == at::kFloat && via == at::kBFloat16 && to == at::kFloat;
-  const bool down = from == at::kFloat && via == at::kBFloat16 && to == at::kBFloat16;
-  const bool up = from == at::kBFloat16 && via == at::kFloat && to == at::kFloat;
-  if (!g_fast_casts || !(trip || down || up) || !plain_for_fast_cast(t) || !probe_agrees()) {
-    return at::Tensor();
-  }
-  at::Tensor out = at::empty_strided(t.sizes(), t.strides(), t.options().dtype(to));
-  const int64_t n = t.numel();
-  if (trip) {
-    if (!round_trip_bf16(t.const_data_ptr<float>(), out.mutable_data_ptr<float>(), n)) return at::Tensor();
-  } else if (down) {
-    if (!to_bf16(t.const_data_ptr<float>(), reinterpret_cast<uint16_t*>(out.mutable_data_ptr<at::BFloat16>()), n))
-      return at::Tensor();
-  } else {
-    from_bf16(reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::BFloat16>()), out.mutable_data_ptr<float>(), n);
-  }
-  if (at::GradMode::is_enabled() && t.requires_grad()) {
-    auto first = cast_node(t.options(), torch::autograd::collect_next_edges(t));
-    if (trip) {  // the bfloat16 tensor in between exists only as the first node's input
-      const uint32_t nr = first->add_input_metadata(t.options().dtype(at::kBFloat16), t.sym_sizes(), false, false,
-                                                    at::kBFloat16);
-      auto second = cast_node(t.options().dtype(at::kBFloat16), {torch::autograd::Edge(first, nr)});
-      torch::autograd::set_history(out, second);
-    } else {
-      torch::autograd::set_history(out, first);
-    }
-  }
-  return out;
-}
-
-// The fast casts against torch's on boundary values (ties both ways, the largest finite values and those that
-// round to inf, subnormals, zeros, infs) and a vector's worth of random bits, contiguous, in a length that leaves
-// a scalar tail: once per process.
-bool probe_agrees() {
-  static const bool agrees = [] {
-    std::vector<uint32_t> bits = {0x00000000u, 0x80000000u, 0x00000001u, 0x80000001u, 0x00007fffu, 0x00008000u,
-                                  0x00018000u, 0x007fffffu, 0x00800000u, 0x3f800000u, 0x3f808000u, 0x3f818000u,
-                                  0x3f807fffu, 0x3f808001u, 0xbf808000u, 0xbf818000u, 0x7f7f7fffu, 0x7f7f8000u,
-                                  0x7f7fffffu, 0xff7fffffu, 0x7f800000u, 0xff800000u, 0x477fe000u, 0x33800000u};
-    uint32_t x = 0x9e3779b9u;
-    while (bits.size() < 16 * 8 + 7) {
-      x ^= x << 13;
-      x ^= x >> 17;
-      x ^= x << 5;
-      if (!is_nan_bits(x)) bits.push_back(x);
-    }
-    at::Tensor src = at::empty({static_cast<int64_t>(bits.size())}, at::kFloat);
-    std::memcpy(src.mutable_data_ptr<float>(), bits.data(), bits.size() * sizeof(uint32_t));
-    at::Tensor ref = src.to(at::kBFloat16), ref_back = ref.to(at::kFloat);
-    at::Tensor mine = at::empty_like(ref), mine_back = at::empty_like(src);
-    const int64_t n = src.numel();
-    to_bf16(src.const_data_ptr<float>(), reinterpret_cast<uint16_t*>(mine.mutable_data_ptr<at::BFloat16>()), n);
-    round_trip_bf16(src.const_data_ptr<float>(), mine_back.mutable_data_ptr<float>(), n);
-    at::Tensor widened = at::empty_like(src);
-    from_bf16(reinterpret_cast<const uint16_t*>(ref.const_data_ptr<at::BFloat16>()), widened.mutable_data_ptr<float>(),
-              n);
-    return std::memcmp(mine.const_data_ptr(), ref.const_data_ptr(), n * 2) == 0 &&
-           std::memcmp(mine_back.const_data_ptr(), ref_back.const_data_ptr(), n * 4) == 0 &&
-           std::memcmp(widened.const_data_ptr(), ref_back.const_data_ptr(), n * 4) == 0;
-  }();
-  return agrees;
-}
-
 at::Tensor round_up(const at::Tensor& t, at::ScalarType dtype) {
   at::Tensor out;
   if (t.defined() && t.scalar_type() == dtype) {
-    out = fast_cast(t, at::kFloat, at::kFloat);
-    if (!out.defined()) out = t.to(at::kFloat);
+    out = t.to(at::kFloat);
   } else if (eligible(t)) {
-    out = fast_cast(t, dtype, at::kFloat);
-    if (!out.defined()) out = t.to(dtype).to(at::kFloat);
+    out = t.to(dtype).to(at::kFloat);
   } else {
     return t;
   }
@@ -249,9 +71,7 @@ at::Tensor round_up(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 at::Tensor to_fp32(const at::Tensor& t) {
-  if (!eligible(t)) return t;
-  at::Tensor out = fast_cast(t, at::kFloat, at::kFloat);
-  return out.defined() ? out : t.to(at::kFloat);
+  return eligible(t) ? t.to(at::kFloat) : t;
 }
 
 template <typename F>
@@ -364,9 +184,7 @@ void gemm_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   call_without_autocast(op, stack);
   const size_t n = schema.returns().size();
   auto round_out = [dtype](const at::Tensor& t) {
-    if (!t.defined() || t.scalar_type() != at::kFloat) return t;
-    at::Tensor out = fast_cast(t, dtype, dtype);
-    return out.defined() ? out : t.to(dtype);
+    return t.defined() && t.scalar_type() == at::kFloat ? t.to(dtype) : t;
   };
   for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n); it != stack->end(); ++it) {
     *it = map_tensors(std::move(*it), round_out);
@@ -431,14 +249,6 @@ void enable_op(c10::List<std::string> gemm, c10::List<std::string> fp32, c10::Li
 
 void disable() {
   g_lib.reset();
-}
-
-void set_fast_casts(bool on) {
-  g_fast_casts = on;
-}
-
-bool fast_casts() {
-  return g_fast_casts && probe_agrees();
 }
 
 void set_recording(bool on) {
@@ -820,8 +630,6 @@ TORCH_LIBRARY(precision_audit_emu, m) {
   m.def("enable(str[] gemm, str[] fp32, str[] fp32_set_opt_dtype) -> ()", &enable_op);
   m.def("disable() -> ()", &disable);
   m.def("set_recording(bool on) -> ()", &set_recording);
-  m.def("set_fast_casts(bool on) -> ()", &set_fast_casts);
-  m.def("fast_casts() -> bool", &fast_casts);
   m.def("drain() -> (Tensor[], int[], bool[])", &drain);
   m.def("range_stats(Tensor x, Tensor? edges) -> (Tensor, Tensor, float)", &range_stats);
   m.def("error_sums(Tensor ref, Tensor p) -> (Tensor, Tensor)", &error_sums);
