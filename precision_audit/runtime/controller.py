@@ -95,6 +95,7 @@ from .backward_tf32 import CONTROLLED
 from .monitor import StabilityMonitor, StepRecord
 from .readout import Readout
 from .watch import Watch, apply_due, make_watch
+from .watch_fp8 import delayed_modules
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,8 @@ class PrecisionController:
             else:
                 self._probe = _ReplayProbe(self.root, modules)
         self.watch: Watch | None = make_watch(watch, modules, every=watch_every, horizon=horizon,
-                                              min_confidence=min_confidence, writer=watch_writer)
+                                              min_confidence=min_confidence, writer=watch_writer,
+                                              fp8_delayed=delayed_modules(policy))
         CONTROLLED[self.root] = policy_tf32(policy)  # step() sets these for the backward (runtime/backward_tf32.py)
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
@@ -514,8 +516,9 @@ class PrecisionController:
             return v
         import torch.distributed as dist
 
-        m = v.numel() // 3
-        amax, small = v[:2 * m].nan_to_num(nan=-1.0), v[2 * m:].nan_to_num(nan=0.0)
+        assert self.watch is not None
+        n = self.watch.n_amax
+        amax, small = v[:n].nan_to_num(nan=-1.0), v[n:].nan_to_num(nan=0.0)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.process_group)
         dist.all_reduce(small, op=dist.ReduceOp.SUM, group=self.process_group)
         return torch.cat([torch.where(amax < 0, torch.full_like(amax, math.nan), amax), small])

@@ -43,7 +43,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ import torch
 from ..errors import OptionError
 from ..formats import SPECS, Format
 from ..policy import Policy
+from . import watch_fp8
 from .forecast import Crossing, fit_crossings
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ ACT_MIN_POINTS = 10
 #: Forecast records kept (each a crossing within this many horizons).
 LOG_HORIZONS = 5
 _PROMOTE = {"fp16": "bf16", "bf16": "fp32"}
+#: Each module's series; and those of a module planned ``fp8_delayed``
+_KEYS = ("step", "output", "gradient", "underflow")
+_FP8_KEYS = ("fp8_input", "fp8_weight")
 
 
 def format_max(fmt: str) -> float | None:
@@ -85,8 +89,8 @@ class Action:
 
     step: int
     module: str
-    kind: str  # "promote" | "loss_scale"
-    change: str  # e.g. "fp16 -> bf16", "scale 65536 -> 32768, growth interval 2000 -> 8000"
+    kind: str  # "promote" | "loss_scale" | "fp8_recipe"
+    change: str  # e.g. "fp16 -> bf16", "scale x0.5, growth interval 2000 -> 8000", "fp8_delayed -> fp8_rowwise"
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,7 +103,7 @@ class Watch:
 
     def __init__(self, modules: list[tuple[str, torch.nn.Module]], *, every: int = 10, horizon: int = 200,
                  min_confidence: float = 0.9, window: int = DEFAULT_WINDOW, history: int = 1000,
-                 writer: Any = None) -> None:
+                 writer: Any = None, fp8_delayed: Collection[str] = ()) -> None:
         if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
             raise OptionError("watch_every must be an integer >= 1", found=repr(every))
         if not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1):
@@ -115,6 +119,10 @@ class Watch:
         self.names = [n for n, m in modules if any(True for _ in m.parameters(recurse=False))]
         index = {n: i for i, n in enumerate(self.names)}
         self._watched = [(index[n], m) for n, m in modules if n in index]
+        # modules the policy's FP8 plan puts under delayed scaling: their input and weight amaxes too
+        # (runtime/watch_fp8.py)
+        self.fp8 = [n for n in self.names if n in set(fp8_delayed)]
+        self._fp8_at = {index[n]: f for f, n in enumerate(self.fp8)}
         # per module, 0-d device tensors: the largest and smallest output values (amax = max(hi, -lo)), the same
         # of the output gradient, the count of its fp16 values below the normal range
         self._hi: list[torch.Tensor | None] = []
@@ -126,7 +134,7 @@ class Watch:
         self._armed = False
         self.arm(1)  # step 1 is read
         self.series: dict[str, dict[str, collections.deque[float]]] = {
-            n: {k: collections.deque(maxlen=history) for k in ("step", "output", "gradient", "underflow")}
+            n: {k: collections.deque(maxlen=history) for k in _KEYS + (_FP8_KEYS if n in self.fp8 else ())}
             for n in self.names}
         self.ran_in: dict[str, list[str]] = {n: [] for n in self.names}  # formats seen, in order
         self.forecasts: dict[tuple[str, str, str], Crossing] = {}
@@ -140,6 +148,9 @@ class Watch:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
             if not torch.is_grad_enabled():
                 return
+            f = self._fp8_at.get(k)
+            if f is not None:
+                self._fp8_reads(f, module, args)
             t = _first_float(out)
             if t is None or not t.numel():
                 return
@@ -151,6 +162,15 @@ class Watch:
             if t.requires_grad:
                 t.register_hook(self._grad_hook(len(self.names) + k))
         return hook
+
+    def _fp8_reads(self, f: int, module: torch.nn.Module, args: Any) -> None:
+        """The input's and the weight's extremes of a module planned ``fp8_delayed`` (the recipe scales both)."""
+        m, nf = len(self.names), len(self.fp8)
+        x, w = _first_float(args), getattr(module, "weight", None)
+        for j, t in ((2 * m + f, x), (2 * m + nf + f, w)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                lo, hi = torch.aminmax(t.detach())
+                self._keep(j, hi, lo)
 
     def _keep(self, j: int, hi: torch.Tensor, lo: torch.Tensor) -> None:
         prev_hi, prev_lo = self._hi[j], self._lo[j]
@@ -213,9 +233,11 @@ class Watch:
                 self._armed = True
 
     def pending(self, device: torch.device) -> torch.Tensor | None:
-        """The step's values as one device vector [output amax (M), gradient amax (M), small counts (M)] (NaN where
-        a module did not run), for the controller's one read; disarms the hooks. None on an unwatched step. A
-        handful of kernels for all the modules together (stack, max), whatever their number."""
+        """The step's values as one device vector [output amax (M), gradient amax (M), input amax (F), weight amax
+        (F), small counts (M)] (NaN where a module did not run; F modules planned ``fp8_delayed``), for the
+        controller's one read; disarms the hooks. None on an unwatched step. A handful of kernels for all the
+        modules together (stack, max), whatever their number. The first :attr:`n_amax` values are amaxes (MAX
+        across ranks), the rest counts (SUM)."""
         if not self._armed:
             return None
         self._armed = False
@@ -231,10 +253,15 @@ class Watch:
         amax = torch.maximum(stacked(self._hi), stacked(self._lo).neg_())
         return torch.cat([amax, stacked(self._small)])
 
+    @property
+    def n_amax(self) -> int:
+        return 2 * len(self.names) + 2 * len(self.fp8)
+
     def clear(self) -> None:
         m = len(self.names)
         none: list[torch.Tensor | None] = [None]
-        self._hi, self._lo, self._small, self._total = none * 2 * m, none * 2 * m, none * m, [0] * m
+        self._hi, self._lo = none * self.n_amax, none * self.n_amax
+        self._small, self._total = none * m, [0] * m
 
     def remove(self) -> None:
         self._unhook()
@@ -250,8 +277,10 @@ class Watch:
         self.clear()
         self.readings += 1
         unscale = scale if scale and scale > 0 else 1.0
+        fp8_at = {n: f for f, n in enumerate(self.fp8)}
+        n_amax, nf = self.n_amax, len(self.fp8)
         for i, name in enumerate(self.names):
-            out, grad, small = values[i], values[m + i], values[2 * m + i]
+            out, grad, small = values[i], values[m + i], values[n_amax + i]
             if math.isnan(out) and math.isnan(grad):
                 continue  # the module did not run this step
             s = self.series[name]
@@ -259,6 +288,9 @@ class Watch:
             s["output"].append(out)
             s["gradient"].append(grad / unscale)
             s["underflow"].append(small / totals[i] if totals[i] else math.nan)
+            if name in fp8_at:
+                s["fp8_input"].append(values[2 * m + fp8_at[name]])
+                s["fp8_weight"].append(values[2 * m + nf + fp8_at[name]])
             fmt = policy.effective_format(name)
             if fmt not in self.ran_in[name]:
                 self.ran_in[name].append(fmt)
@@ -277,17 +309,22 @@ class Watch:
     def _refresh(self, step: int, policy: Policy, scale: float | None) -> list[dict[str, Any]]:
         tasks: list[tuple[str, str, str]] = []
         series: list[tuple[list[float], np.ndarray, float, bool]] = []
+        delayed = watch_fp8.delayed_modules(policy) if self.fp8 else set()
         for name in self.names:
             s = self.series[name]
             if len(s["step"]) < 2:
                 continue
             # the fit's window only, not the history
             steps = _tail(s["step"], self.window)
-            logs = {k: _log2_array(_tail(s[k], self.window)) for k in ("output", "gradient", "underflow")}
+            logs = {k: _log2_array(_tail(v, self.window)) for k, v in s.items() if k != "step"}
             for fmt in self.ran_in[name]:
                 for kind, limit, vals, rising in self._targets(fmt, logs, scale):
                     tasks.append((name, fmt, kind))
                     series.append((steps, vals, limit, rising))
+            if name in delayed:  # the FP8 recipe's saturation (runtime/watch_fp8.py)
+                for kind, limit, at, rate in watch_fp8.targets(logs, steps):
+                    tasks.append((name, watch_fp8.DELAYED, kind))
+                    series.append((at, rate, limit, True))
         due: list[dict[str, Any]] = []
         for (name, fmt, kind), fc in zip(tasks, fit_crossings(series, now=step, horizon=self.horizon)):
             if fc is None:
@@ -297,7 +334,8 @@ class Watch:
                 self.log.append({"at": step, "module": name, "format": fmt, "kind": kind, **fc.to_dict()})
                 if self.writer is not None:
                     self.writer.add_scalar(f"watch/{name or '(root)'}/{fmt}_{kind}_steps_left", fc.step - step, step)
-            if fmt == policy.effective_format(name) and self._acts(fc, step):
+            current = name in delayed if fmt == watch_fp8.DELAYED else fmt == policy.effective_format(name)
+            if current and self._acts(fc, step):
                 due.append({"module": name, "format": fmt, "kind": kind, "forecast": fc})
         return due
 
@@ -348,7 +386,7 @@ class Watch:
             "every": self.every, "horizon": self.horizon, "min_confidence": self.min_confidence,
             "window": self.window, "readings": self.readings,
             "modules": {n: {"formats": list(self.ran_in[n]),
-                            **{k: [_short(v) for v in s[k]] for k in ("step", "output", "gradient", "underflow")}}
+                            **{k: [_short(v) for v in vals] for k, vals in s.items()}}
                         for n, s in self.series.items() if s["step"]},
             "forecasts": self.log[-2000:],
             "actions": [a.to_dict() for a in self.actions],
@@ -364,6 +402,8 @@ def make_watch(on: bool, modules: list[tuple[str, torch.nn.Module]], **options: 
 
 def describe(name: str, fmt: str, kind: str, fc: Crossing, step: int) -> str:
     """The forecast in words, for a reason and the log."""
+    if kind in watch_fp8.KINDS:
+        return watch_fp8.describe(kind, fc, step)
     what = {"activation": "its output amax", "gradient": "its scaled output-gradient amax",
             "underflow": "the share of its fp16 output gradient below the normal range"}[kind]
     limit = (f"fp16's underflow limit {UNDERFLOW_LIMIT:g}" if kind == "underflow"
@@ -419,9 +459,19 @@ def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: t
     cc = policy.target_compute_capability
     bf16_ok = cc is not None and tuple(cc) >= (8, 0)
     promoted: list[str] = []
+    replanned: list[str] = []
     scaled = False
     for d in due:
         name, fmt, kind, fc = d["module"], d["format"], d["kind"], d["forecast"]
+        if kind in watch_fp8.KINDS:  # the FP8 plan's recipe, before the delayed scale saturates
+            if name in replanned:
+                continue
+            reason = (f"{watch_fp8.DELAYED} -> {watch_fp8.REPLACEMENT} by the watch at step {step}: "
+                      f"{describe(name, fmt, kind, fc, step)}")
+            policy = watch_fp8.replan(policy, name, reason)
+            replanned.append(name)
+            watch.note(Action(step, name, "fp8_recipe", f"{watch_fp8.DELAYED} -> {watch_fp8.REPLACEMENT}", reason))
+            continue
         if kind == "gradient":
             if scaled or scaler is None or not scaler.is_enabled():
                 continue
