@@ -316,7 +316,7 @@ class Watch:
                 continue
             # the fit's window only, not the history
             steps = _tail(s["step"], self.window)
-            logs = {k: _log2_array(_tail(v, self.window)) for k, v in s.items() if k != "step"}
+            logs = _RecentLogs(s, self.window)  # log2 of a series' window, computed when a target needs it
             for fmt in self.ran_in[name]:
                 for kind, limit, vals, rising in self._targets(fmt, logs, scale):
                     tasks.append((name, fmt, kind))
@@ -430,6 +430,18 @@ def _first_float(out: Any) -> torch.Tensor | None:
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 return v
     return None
+
+
+class _RecentLogs(dict[str, np.ndarray]):
+    """log2 of each series' last ``window`` readings, computed on first use."""
+
+    def __init__(self, series: dict[str, collections.deque[float]], window: int) -> None:
+        super().__init__()
+        self._series, self._window = series, window
+
+    def __missing__(self, key: str) -> np.ndarray:
+        v = self[key] = _log2_array(_tail(self._series[key], self._window))
+        return v
 
 
 def _tail(d: collections.deque[float], n: int) -> list[float]:

@@ -83,9 +83,8 @@ def targets(logs: dict[str, np.ndarray], steps: list[float]) -> list[tuple[str, 
     """(kind, limit, steps, series) of a module planned ``fp8_delayed`` whose recent log2 amaxes are ``logs``."""
     out = []
     for key, kind, _ in ROLES:
-        if key in logs:
-            at, rate = growth_per_step(steps, logs[key])
-            out.append((kind, saturation_limit(kind), at, rate))
+        at, rate = growth_per_step(steps, logs[key])
+        out.append((kind, saturation_limit(kind), at, rate))
     return out
 
 
