@@ -8,6 +8,7 @@
   controller without the watch, and the model holds no hook of the watch's then.
 - A watched step adds two reductions per watched module (its output's and its output gradient's extremes) and a
   fixed handful for all of them together (the stack, the max), whatever the number of modules.
+- Under torch.compile (dynamo's tracing, the aot_eager backend) the watch records what it records eagerly.
 """
 
 from __future__ import annotations
@@ -179,3 +180,30 @@ def test_a_watched_step_adds_two_reductions_per_module_and_a_fixed_few(default):
             per_module
     fixed = sum(added[2].values()) - 2 * sum(per_module.values()) * 3  # 3 watched modules at depth 2
     assert fixed <= 8, added[2]
+
+
+def _watched_series(compiled: bool) -> dict:
+    torch.manual_seed(0)
+    model = Deep(2)
+    policy = _policy(model, "bf16")
+    m = torch.compile(model, backend="aot_eager") if compiled else model  # dynamo's tracing, no code generation
+    handle = pa.apply_policy(m, policy)
+    ctl = pa.controller(m, torch.optim.SGD(model.parameters(), lr=0.01), policy, watch=True, watch_every=2,
+                        device="cpu")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        with pa.autocast(policy, "cpu"):
+            loss = F.mse_loss(m(x).float(), y)
+        ctl.step(loss)
+    handle.remove()
+    ctl.close()
+    return {name: {k: [v if math.isfinite(v) else str(v) for v in vals] for k, vals in s.items()}
+            for name, s in ctl.watch.series.items()}
+
+
+def test_the_watch_under_torch_compile_records_what_eager_records():
+    # the hooks come and go with the watched steps: dynamo traces both variants (a recompile, then cached)
+    eager, compiled = _watched_series(False), _watched_series(True)
+    assert list(eager["head"]["step"]) == [1, 3, 5]
+    assert compiled == eager
