@@ -143,7 +143,9 @@ class PrecisionController:
     ``watch`` (default False): record per-module amax and fp16 underflow every ``watch_every`` steps (default 10),
     forecast when a format's limit is crossed and act ``horizon`` steps (default 200) ahead when the forecast's
     confidence is at least ``min_confidence`` (default 0.9); ``watch_writer`` (a TensorBoard ``SummaryWriter``)
-    gets the series as scalars (runtime/watch.py; docs/policy.md, "Watch and forecast").
+    gets the series as scalars (runtime/watch.py; docs/policy.md, "Watch and forecast"). Modules the policy's
+    ``fp8`` plan puts under ``fp8_delayed`` are also forecast against that recipe's saturation, and replanned to
+    ``fp8_rowwise`` before it (runtime/watch_fp8.py; docs/policy.md, "FP8 delayed scaling").
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
