@@ -1,7 +1,8 @@
 """Runtime overhead: a training step with the policy applied and the controller, against the same step written by
 hand with the same guarantees (issue 33, decision 3), measured in one run.
 
-    python bench/runtime_overhead.py [--repeats 300] [--format bf16|fp16] [--count] [--ab] [--watch]
+    python bench/runtime_overhead.py [--repeats 300] [--format bf16|fp16] [--count] [--ab]
+    python bench/runtime_overhead.py --watch [--native] [--every 10,1] [--format bf16|fp16] [--cpu-time]
     python bench/runtime_overhead.py --device cuda                                   # on a GPU: 512 wide
     PA_WIDTH=4096 PA_BATCH=8192 python bench/runtime_overhead.py --device cuda --repeats 50
 
@@ -23,8 +24,10 @@ Rounds are interleaved, the order of the rows rotating every round, so that load
 the ratios are medians over rounds of each round's paired ratio (with a bootstrap interval for the headline one).
 ``--ab`` times the headline pair only, back to back and alternating, which a loaded machine disturbs less.
 ``--watch`` (issue 36) times the controller's step without the watch against the same step with ``watch=True``
-(read every 10 steps, the default, and every step), each on its own copy of the model with one controller
-throughout, the three rotating every round: the watch's cost as a paired ratio.
+(read every N steps for each N of ``--every``: 10, the default, and 1 unless told), each on its own copy of the
+model with one controller throughout, the rows rotating every round: the watch's cost as a ratio of total times.
+``--cpu-time`` (CPU only) times by the process's CPU time on one thread instead of the wall clock, which other
+processes' load barely moves (a shared machine); the ratios then compare the work each step does.
 ``--count`` also counts, per step, the operators dispatched (those that are not views: about one kernel launch
 each on a GPU), the reads to the host (device syncs) and the tensors made from host data, with a counting
 ``TorchDispatchMode``: the CPU's proxy for what a launch-bound GPU step pays.
@@ -142,11 +145,13 @@ def _median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float
     return float(meds[int(0.025 * resamples)]), float(meds[int(0.975 * resamples) - 1])
 
 
-def watch_overhead(model, policy, batch, spec, policy_autocast, one, dev: str, repeats: int) -> None:
-    """controller.step without the watch, with watch=True (every 10 steps) and every step: three copies of the
-    model, one controller each throughout, rotating every round; medians of the per-round paired ratios."""
-    rows = {"plain": ("controller.step", {}), "every10": ("  + watch=True (watch_every=10)", {"watch": True}),
-            "every1": ("  + watch=True, watch_every=1", {"watch": True, "watch_every": 1})}
+def watch_overhead(model, policy, batch, spec, policy_autocast, one, dev: str, repeats: int,
+                   every: tuple[int, ...] = (10, 1)) -> None:
+    """controller.step without the watch and with watch=True read every N steps for each N of ``every``: one copy
+    of the model per row, one controller each throughout, rotating every round; ratios of the total times."""
+    rows = {"plain": ("controller.step", {})}
+    for n in every:
+        rows[f"every{n}"] = (f"  + watch=True, watch_every={n}", {"watch": True, "watch_every": n})
     steps, keep = {}, []
     for key, (_, kw) in rows.items():
         m = copy.deepcopy(model)
@@ -195,6 +200,11 @@ def main() -> None:
     ap.add_argument("--watch", action="store_true",
                     help="time controller.step without and with watch=True (every 10 steps and every step), each "
                          "on its own copy of the model, rotating: the watch's overhead as a paired ratio")
+    ap.add_argument("--every", default="10,1",
+                    help="with --watch: the watch_every values timed, comma-separated (default 10,1)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="on the CPU: time each step by the process's CPU time (time.process_time) on one thread, "
+                         "not the wall clock: other processes' load then costs little (a shared machine)")
     ap.add_argument("--native", action="store_true",
                     help="with --watch on the CPU: torch's own CPU autocast instead of the emulated CUDA one")
     args = ap.parse_args()
@@ -221,20 +231,27 @@ def main() -> None:
         if dev == "cuda":
             torch.cuda.synchronize()
 
+    clock = time.perf_counter
+    if args.cpu_time and dev == "cpu":
+        torch.set_num_threads(1)  # no intra-op workers spinning (CPU time too) or contending
+        clock = time.process_time
+
     def one(step) -> float:
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
         sync()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     if args.watch:
+        every = tuple(int(v) for v in args.every.split(","))
         if args.native:  # torch's own CPU autocast: no emulation layer around the watch's kernels
             with contextlib.nullcontext():
-                watch_overhead(model, policy, batch, spec, lambda: pa.autocast(policy, "cpu"), one, dev, args.repeats)
+                watch_overhead(model, policy, batch, spec, lambda: pa.autocast(policy, "cpu"), one, dev, args.repeats,
+                               every)
             return
         with CudaAutocastPolicy() if dev == "cpu" else contextlib.nullcontext():
-            watch_overhead(model, policy, batch, spec, policy_autocast, one, dev, args.repeats)
+            watch_overhead(model, policy, batch, spec, policy_autocast, one, dev, args.repeats, every)
         return
     with CudaAutocastPolicy() if dev == "cpu" else contextlib.nullcontext():
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)

@@ -228,21 +228,17 @@ class RunWatch:
         if self.batch is None or step in self.audited:
             return handle
         self.audited.add(step)
-        armed = self.watch is not None and self.watch.armed
-        if self.watch is not None:
-            self.watch._armed = False
         policy = handle.policy if handle is not None else None
         if handle is not None:
             handle.remove()
         try:
-            run_audit_on(model, self.batch, out / f"step-{step}", audit_kwargs)
+            with self.watch.paused() if self.watch is not None else contextlib.nullcontext():
+                run_audit_on(model, self.batch, out / f"step-{step}", audit_kwargs)
         finally:
             if policy is not None:
                 from ..runtime.api import apply_policy
 
                 handle = apply_policy(model, policy)
-            if self.watch is not None:
-                self.watch._armed = armed
         return handle
 
     def finish(self, out: Path) -> None:

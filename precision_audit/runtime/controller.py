@@ -95,6 +95,7 @@ from .backward_tf32 import CONTROLLED
 from .monitor import StabilityMonitor, StepRecord
 from .readout import Readout
 from .watch import Watch, apply_due, make_watch
+from .watch_fp8 import delayed_modules
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,9 @@ class PrecisionController:
     ``watch`` (default False): record per-module amax and fp16 underflow every ``watch_every`` steps (default 10),
     forecast when a format's limit is crossed and act ``horizon`` steps (default 200) ahead when the forecast's
     confidence is at least ``min_confidence`` (default 0.9); ``watch_writer`` (a TensorBoard ``SummaryWriter``)
-    gets the series as scalars (runtime/watch.py; docs/policy.md, "Watch and forecast").
+    gets the series as scalars (runtime/watch.py; docs/policy.md, "Watch and forecast"). Modules the policy's
+    ``fp8`` plan puts under ``fp8_delayed`` are also forecast against that recipe's saturation, and replanned to
+    ``fp8_rowwise`` before it (runtime/watch_fp8.py; docs/policy.md, "FP8 delayed scaling").
     """
 
     def __init__(self, policy: Policy, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -217,7 +220,8 @@ class PrecisionController:
             else:
                 self._probe = _ReplayProbe(self.root, modules)
         self.watch: Watch | None = make_watch(watch, modules, every=watch_every, horizon=horizon,
-                                              min_confidence=min_confidence, writer=watch_writer)
+                                              min_confidence=min_confidence, writer=watch_writer,
+                                              fp8_delayed=delayed_modules(policy))
         CONTROLLED[self.root] = policy_tf32(policy)  # step() sets these for the backward (runtime/backward_tf32.py)
         if type(model).__name__ == "OptimizedModule":
             log.info("controller on a torch.compile'd model: its hooks are traced only by code compiled after "
@@ -514,8 +518,9 @@ class PrecisionController:
             return v
         import torch.distributed as dist
 
-        m = v.numel() // 3
-        amax, small = v[:2 * m].nan_to_num(nan=-1.0), v[2 * m:].nan_to_num(nan=0.0)
+        assert self.watch is not None
+        n = self.watch.n_amax
+        amax, small = v[:n].nan_to_num(nan=-1.0), v[n:].nan_to_num(nan=0.0)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.process_group)
         dist.all_reduce(small, op=dist.ReduceOp.SUM, group=self.process_group)
         return torch.cat([torch.where(amax < 0, torch.full_like(amax, math.nan), amax), small])

@@ -31,10 +31,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
-import statistics
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 #: How many standard deviations make the crossing's interval and the "trending" test (about 95% two-sided).
 Z = 1.96
@@ -65,68 +67,118 @@ def _round(v: float | None) -> float | None:
     return None if v is None else round(v, 1)
 
 
-def theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float]:
+def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """(slope, intercept): the median of the pairwise slopes, then the median of y - slope x."""
-    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
-              if xs[j] != xs[i]]
-    slope = statistics.median(slopes) if slopes else 0.0
-    return slope, statistics.median(y - slope * x for x, y in zip(xs, ys))
+    x, y = np.asarray([xs], dtype=np.float64), np.asarray([ys], dtype=np.float64)
+    slope, intercept = _theil_sen_rows(x, y)
+    return float(slope[0]), float(intercept[0])
+
+
+def _theil_sen_rows(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Theil-Sen per row of (k, w) arrays, NaN marking the readings a row lacks (a slope of 0 for a row with no
+    pair of distinct steps)."""
+    i, j = _pairs(x.shape[1])
+    dx = x[:, j] - x[:, i]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slopes = np.where(dx != 0, (y[:, j] - y[:, i]) / dx, np.nan)
+    slope = _median_rows(slopes, empty=0.0)
+    return slope, _median_rows(y - slope[:, None] * x)
+
+
+def _median_rows(a: np.ndarray, empty: float = math.nan) -> np.ndarray:
+    """The median of each row's non-NaN values (the mean of the middle two for an even count, as
+    ``statistics.median``); ``empty`` for a row without any."""
+    s = np.sort(a, axis=1)  # NaN sorts last
+    c = (~np.isnan(a)).sum(axis=1)
+    lo = np.take_along_axis(s, np.maximum((c - 1) // 2, 0)[:, None], axis=1)[:, 0]
+    hi = np.take_along_axis(s, np.minimum(c // 2, a.shape[1] - 1)[:, None], axis=1)[:, 0]
+    return np.where(c > 0, 0.5 * (lo + hi), empty)
+
+
+@functools.lru_cache(maxsize=64)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    i, j = np.triu_indices(n, 1)
+    return i, j
 
 
 def _phi(z: float) -> float:
     return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
 
 
-def fit_crossing(steps: list[float], values: list[float], *, limit: float, now: float, horizon: float,
+def fit_crossing(steps: Sequence[float], values: Sequence[float], *, limit: float, now: float, horizon: float,
                  rising: bool = True) -> Crossing | None:
     """Fit ``values`` (finite) against ``steps`` and forecast when the line crosses ``limit``: from below when
     ``rising`` (an amax reaching a format's maximum), from above otherwise. None with fewer than
     :data:`MIN_POINTS` finite readings or no spread of steps (module docstring: what the fit assumes)."""
-    pts = [(float(s), float(v)) for s, v in zip(steps, values) if math.isfinite(v)]
-    if len(pts) < MIN_POINTS:
-        return None
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    if not rising:  # mirror: a falling series crossing a floor is a rising one crossing a ceiling
-        ys, limit = [-y for y in ys], -limit
-    slope, intercept = theil_sen(xs, ys)
-    n = len(xs)
-    mean_x = sum(xs) / n
-    sxx = sum((x - mean_x) ** 2 for x in xs)
+    return fit_crossings([(steps, values, limit, rising)], now=now, horizon=horizon)[0]
+
+
+def fit_crossings(series: Sequence[tuple[Sequence[float], Sequence[float] | np.ndarray, float, bool]], *, now: float,
+                  horizon: float) -> list[Crossing | None]:
+    """:func:`fit_crossing` for several series at once, each (steps, values, limit, rising): the medians of all
+    the fits are taken together (the watch fits every watched module at each reading, so this is the host's
+    share of a watched step)."""
+    if not series:
+        return []
+    k, w = len(series), max(len(s[0]) for s in series)
+    x, y = np.full((k, w), np.nan), np.full((k, w), np.nan)
+    for r, (steps, values, _, rising) in enumerate(series):
+        x[r, :len(steps)] = steps
+        # mirror: a falling series crossing a floor is a rising one crossing a ceiling
+        y[r, :len(values)] = values if rising else np.negative(np.asarray(values, dtype=np.float64))
+    finite = np.isfinite(y) & np.isfinite(x)
+    x, y = np.where(finite, x, np.nan), np.where(finite, y, np.nan)
+    n = finite.sum(axis=1)
+    slope, intercept = _theil_sen_rows(x, y)
+    sigma = 1.4826 * _median_rows(np.abs(y - (intercept[:, None] + slope[:, None] * x)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_x = np.nansum(x, axis=1) / n
+    sxx = np.nansum((x - mean_x[:, None]) ** 2, axis=1)
+    top = np.nanmax(np.abs(np.where(finite, y, 0.0)), axis=1)
+    return [_crossing(float(slope[r]), float(intercept[r]), float(sigma[r]), int(n[r]), float(mean_x[r]),
+                      float(sxx[r]), float(top[r]), s[2] if s[3] else -s[2], s[3], now, horizon)
+            if n[r] >= MIN_POINTS else None for r, s in enumerate(series)]
+
+
+def _crossing(slope: float, intercept: float, sigma: float, n: int, mean_x: float, sxx: float, top: float,
+              limit: float, rising: bool, now: float, horizon: float) -> Crossing | None:
+    """One fitted line's crossing of ``limit`` (mirrored already for a falling series)."""
     if sxx <= 0:
         return None
-    resid = [y - (intercept + slope * x) for x, y in zip(xs, ys)]
-    sigma = 1.4826 * statistics.median(abs(r) for r in resid)
     # a floor on the noise: readings that sit exactly on a line (a synthetic trend, a constant) still get an
     # interval, and the "trending" test below does not divide by zero
-    sigma = max(sigma, 1e-6 * max(1.0, max(abs(y) for y in ys)))
+    sigma = max(sigma, 1e-6 * max(1.0, top))
     slope_se = sigma / math.sqrt(sxx)
-
-    def pred_sd(s: float) -> float:
-        return sigma * math.sqrt(1.0 + 1.0 / n + (s - mean_x) ** 2 / sxx)
-
     ahead = now + horizon
-    conf = _phi((intercept + slope * ahead - limit) / pred_sd(ahead))
+    conf = _phi((intercept + slope * ahead - limit) / (sigma * math.sqrt(1.0 + 1.0 / n
+                                                                      + (ahead - mean_x) ** 2 / sxx)))
+    sign = 1.0 if rising else -1.0
     if slope <= Z * slope_se:  # flat, noisy or moving away from the limit: no crossing is forecast
-        return Crossing(slope if rising else -slope, intercept if rising else -intercept, sigma, None, None, None,
-                        conf, n)
+        return Crossing(sign * slope, sign * intercept, sigma, None, None, None, conf, n)
     step = (limit - intercept) / slope
-    low = _solve(lambda s: intercept + slope * s + Z * pred_sd(s) - limit, now if step > now else step, step)
-    high = _solve(lambda s: intercept + slope * s - Z * pred_sd(s) - limit, step, step + 50 * (step - mean_x + 1))
-    return Crossing(slope if rising else -slope, intercept if rising else -intercept, sigma, step, low, high,
-                    conf, n)
+    low, high = _band_crossings(slope, limit - intercept - slope * mean_x, Z * sigma, 1.0 + 1.0 / n, sxx)
+    # the interval as searched: from this reading on (a line already past the limit: from its crossing), and no
+    # later than 50 x the distance from the readings' middle to the crossing (further is "not within reach")
+    low = max(low + mean_x, now if step > now else step)
+    high = high + mean_x
+    return Crossing(sign * slope, sign * intercept, sigma, step, low,
+                    high if high <= step + 50 * (step - mean_x + 1) else None, conf, n)
 
 
-def _solve(fn: Callable[[float], float], a: float, b: float) -> float | None:
-    """The root of ``fn`` (increasing where it matters) in [a, b] by bisection: ``a`` when fn is already above 0
-    there, None when it never reaches 0 before ``b``."""
-    if fn(a) > 0:
-        return a
-    if fn(b) < 0:
-        return None
-    for _ in range(60):
-        m = 0.5 * (a + b)
-        if fn(m) < 0:
-            a = m
-        else:
-            b = m
-    return 0.5 * (a + b)
+def _band_crossings(slope: float, gap: float, zs: float, c: float, sxx: float) -> tuple[float, float]:
+    """Where the prediction band's edges meet the limit, in steps from the readings' mean step u: the upper edge
+    (line + zs sqrt(c + u^2/sxx)) at the first root, the lower edge at the second, of
+
+        (slope u - gap)^2 = zs^2 (c + u^2 / sxx),   gap = limit - the line's value at the mean step.
+
+    Both edges increase in u when slope > zs / sqrt(sxx) (the trending test: each meets the limit once), so these
+    are the two roots of the quadratic, in order (computed in the cancellation-free form)."""
+    a = slope * slope - zs * zs / sxx
+    b = slope * gap
+    c0 = gap * gap - zs * zs * c
+    disc = math.sqrt(max(b * b - a * c0, 0.0))
+    q = b + math.copysign(disc, b) if b != 0 else disc
+    if q == 0:
+        return 0.0, 0.0
+    r1, r2 = q / a, c0 / q
+    return (r1, r2) if r1 <= r2 else (r2, r1)

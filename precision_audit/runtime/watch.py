@@ -3,12 +3,13 @@
 
 ``controller(..., watch=True)`` makes a :class:`Watch`. On every ``watch_every``-th step (the first step, then
 every N-th) a forward hook on each watched module (every module with parameters of its own) takes the amax of
-its output (one ``vector_norm(inf)`` kernel, kept as a 0-d device tensor: the running max over the step's calls)
-and a tensor hook on that output takes the amax of the gradient arriving there and, for a module running in
+its output (one ``torch.aminmax`` kernel, its two 0-d results kept on the device: the running extremes over the
+step's calls) and a tensor hook on that output takes the amax of the gradient arriving there and, for a module in
 fp16, how many of the gradient's elements are nonzero but below fp16's normal range (2^-14): the share that
 keeps fewer bits at the current loss scale (the gradient in backward is the scaled one). Nothing is read in the
 hooks. The controller puts the stacked values into the step's one device read (runtime/readout.py), so a watched
-step costs those kernels and no extra synchronisation; the other steps cost one Python check per module call.
+step costs those kernels and no extra synchronisation. The hooks are installed for the watched steps only: the
+other steps run none of the watch's code.
 
 Each reading is added to a compact per-module series (the last ``history`` readings: step, output amax, unscaled
 gradient amax, fp16 underflow share) and, with a ``writer`` (a ``torch.utils.tensorboard.SummaryWriter``),
@@ -37,19 +38,23 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import OptionError
 from ..formats import SPECS, Format
 from ..policy import Policy
-from .forecast import Crossing, fit_crossing
+from . import watch_fp8
+from .forecast import Crossing, fit_crossings
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +71,9 @@ ACT_MIN_POINTS = 10
 #: Forecast records kept (each a crossing within this many horizons).
 LOG_HORIZONS = 5
 _PROMOTE = {"fp16": "bf16", "bf16": "fp32"}
+#: Each module's series; and those of a module planned ``fp8_delayed``
+_KEYS = ("step", "output", "gradient", "underflow")
+_FP8_KEYS = ("fp8_input", "fp8_weight")
 
 
 def format_max(fmt: str) -> float | None:
@@ -81,8 +89,8 @@ class Action:
 
     step: int
     module: str
-    kind: str  # "promote" | "loss_scale"
-    change: str  # e.g. "fp16 -> bf16", "scale 65536 -> 32768, growth interval 2000 -> 8000"
+    kind: str  # "promote" | "loss_scale" | "fp8_recipe"
+    change: str  # e.g. "fp16 -> bf16", "scale x0.5, growth interval 2000 -> 8000", "fp8_delayed -> fp8_rowwise"
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,7 +103,7 @@ class Watch:
 
     def __init__(self, modules: list[tuple[str, torch.nn.Module]], *, every: int = 10, horizon: int = 200,
                  min_confidence: float = 0.9, window: int = DEFAULT_WINDOW, history: int = 1000,
-                 writer: Any = None) -> None:
+                 writer: Any = None, fp8_delayed: Collection[str] = ()) -> None:
         if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
             raise OptionError("watch_every must be an integer >= 1", found=repr(every))
         if not (isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1):
@@ -110,14 +118,23 @@ class Watch:
         self.writer = writer
         self.names = [n for n, m in modules if any(True for _ in m.parameters(recurse=False))]
         index = {n: i for i, n in enumerate(self.names)}
-        self._out: list[torch.Tensor | None] = [None] * len(self.names)
-        self._grad: list[torch.Tensor | None] = [None] * len(self.names)
-        self._small: list[torch.Tensor | None] = [None] * len(self.names)
-        self._total = [0] * len(self.names)
-        self._armed = True  # step 1 is read
-        self._handles = [m.register_forward_hook(self._forward_hook(index[n])) for n, m in modules if n in index]
+        self._watched = [(index[n], m) for n, m in modules if n in index]
+        # modules the policy's FP8 plan puts under delayed scaling: their input and weight amaxes too
+        # (runtime/watch_fp8.py)
+        self.fp8 = [n for n in self.names if n in set(fp8_delayed)]
+        self._fp8_at = {index[n]: f for f, n in enumerate(self.fp8)}
+        # per module, 0-d device tensors: the largest and smallest output values (amax = max(hi, -lo)), the same
+        # of the output gradient, the count of its fp16 values below the normal range
+        self._hi: list[torch.Tensor | None] = []
+        self._lo: list[torch.Tensor | None] = []
+        self._small: list[torch.Tensor | None] = []
+        self._total: list[int] = []
+        self.clear()
+        self._handles: list[Any] = []
+        self._armed = False
+        self.arm(1)  # step 1 is read
         self.series: dict[str, dict[str, collections.deque[float]]] = {
-            n: {k: collections.deque(maxlen=history) for k in ("step", "output", "gradient", "underflow")}
+            n: {k: collections.deque(maxlen=history) for k in _KEYS + (_FP8_KEYS if n in self.fp8 else ())}
             for n in self.names}
         self.ran_in: dict[str, list[str]] = {n: [] for n in self.names}  # formats seen, in order
         self.forecasts: dict[tuple[str, str, str], Crossing] = {}
@@ -129,62 +146,125 @@ class Watch:
 
     def _forward_hook(self, k: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            if not self._armed or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled():
                 return
+            f = self._fp8_at.get(k)
+            if f is not None:
+                self._fp8_reads(f, module, args)
             t = _first_float(out)
-            if t is None:
+            if t is None or not t.numel():
                 return
-            d = t.detach()
-            if not d.numel():
-                return
-            amax = torch.linalg.vector_norm(d, ord=math.inf, dtype=torch.float32)  # one kernel, read in fp32
-            prev = self._out[k]
-            self._out[k] = amax if prev is None else torch.maximum(prev, amax)
+            # one reduction kernel (torch.aminmax) per call, its two 0-d results kept on the device; the
+            # amax is max(hi, -lo), taken for every module at once when the step is read (:meth:`pending`).
+            # (On a CPU vector_norm(inf) is an unvectorised loop, ~20x slower than aminmax: bench/README.md.)
+            lo, hi = torch.aminmax(t.detach())
+            self._keep(k, hi, lo)
             if t.requires_grad:
-                t.register_hook(self._grad_hook(k))
+                t.register_hook(self._grad_hook(len(self.names) + k))
         return hook
 
-    def _grad_hook(self, k: int) -> Callable[[torch.Tensor], None]:
+    def _fp8_reads(self, f: int, module: torch.nn.Module, args: Any) -> None:
+        """The input's and the weight's extremes of a module planned ``fp8_delayed`` (the recipe scales both)."""
+        m, nf = len(self.names), len(self.fp8)
+        x, w = _first_float(args), getattr(module, "weight", None)
+        for j, t in ((2 * m + f, x), (2 * m + nf + f, w)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                lo, hi = torch.aminmax(t.detach())
+                self._keep(j, hi, lo)
+
+    def _keep(self, j: int, hi: torch.Tensor, lo: torch.Tensor) -> None:
+        prev_hi, prev_lo = self._hi[j], self._lo[j]
+        if prev_hi is None or prev_lo is None:
+            self._hi[j], self._lo[j] = hi, lo
+        else:  # a module called again in the step: the running extremes
+            self._hi[j], self._lo[j] = torch.maximum(prev_hi, hi), torch.minimum(prev_lo, lo)
+
+    def _grad_hook(self, j: int) -> Callable[[torch.Tensor], None]:
         def hook(g: torch.Tensor) -> None:
             if not g.numel():
                 return
-            amax = torch.linalg.vector_norm(g, ord=math.inf, dtype=torch.float32)
-            prev = self._grad[k]
-            self._grad[k] = amax if prev is None else torch.maximum(prev, amax)
-            if g.dtype == torch.float16:
-                a = g.abs()
-                small = ((a < FP16_NORMAL) & (a > 0)).sum().float()
-                prev_s = self._small[k]
-                self._small[k] = small if prev_s is None else prev_s + small
-                self._total[k] += g.numel()
+            if g.dtype != torch.float16:
+                lo, hi = torch.aminmax(g)
+                self._keep(j, hi, lo)
+                return
+            a = g.abs()  # needed for the count anyway: its max is the amax (and -lo = -hi never exceeds it)
+            amax = a.max()
+            self._keep(j, amax, amax)
+            k = j - len(self.names)
+            small = ((a < FP16_NORMAL) & (a > 0)).sum()
+            prev = self._small[k]
+            self._small[k] = small if prev is None else prev + small
+            self._total[k] += g.numel()
         return hook
 
     def arm(self, next_step: int) -> None:
-        """Arm the hooks for ``next_step`` (1-based) when it is a watched step: the first, then every N-th."""
-        self._armed = (next_step - 1) % self.every == 0
+        """Arm the hooks for ``next_step`` (1-based) when it is a watched step (the first, then every N-th): they
+        are installed for that step only, so that the other steps run no hook of the watch's at all."""
+        armed = (next_step - 1) % self.every == 0
+        if armed and not self._handles:
+            self._hook()
+        elif not armed:
+            self._unhook()
+        self._armed = armed
+
+    def _hook(self) -> None:
+        self._handles = [m.register_forward_hook(self._forward_hook(k)) for k, m in self._watched]
+
+    def _unhook(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     @property
     def armed(self) -> bool:
         return self._armed
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No hook of the watch's inside (a re-audit's own forward passes); armed as before after."""
+        armed = self._armed
+        self._unhook()
+        try:
+            yield
+        finally:
+            self._armed = False
+            if armed:
+                self._hook()
+                self._armed = True
+
     def pending(self, device: torch.device) -> torch.Tensor | None:
-        """The step's values as one device vector [output amax (M), gradient amax (M), small counts (M)] (NaN where
-        a module did not run), for the controller's one read; disarms the hooks. None on an unwatched step."""
+        """The step's values as one device vector [output amax (M), gradient amax (M), input amax (F), weight amax
+        (F), small counts (M)] (NaN where a module did not run; F modules planned ``fp8_delayed``), for the
+        controller's one read; disarms the hooks. None on an unwatched step. A handful of kernels for all the
+        modules together (stack, max), whatever their number. The first :attr:`n_amax` values are amaxes (MAX
+        across ranks), the rest counts (SUM)."""
         if not self._armed:
             return None
         self._armed = False
+        self._unhook()
+        if not self.names:
+            return None
         nan = torch.full((), math.nan, device=device)
-        vals = [v.to(device) if v is not None else nan for v in (*self._out, *self._grad, *self._small)]
-        return torch.stack(vals) if vals else None
+
+        def stacked(vals: list[torch.Tensor | None]) -> torch.Tensor:
+            return torch.stack([nan if v is None else v if v.device == device else v.to(device)
+                                for v in vals]).float()
+
+        amax = torch.maximum(stacked(self._hi), stacked(self._lo).neg_())
+        return torch.cat([amax, stacked(self._small)])
+
+    @property
+    def n_amax(self) -> int:
+        return 2 * len(self.names) + 2 * len(self.fp8)
 
     def clear(self) -> None:
         m = len(self.names)
-        self._out, self._grad, self._small, self._total = [None] * m, [None] * m, [None] * m, [0] * m
+        none: list[torch.Tensor | None] = [None]
+        self._hi, self._lo = none * self.n_amax, none * self.n_amax
+        self._small, self._total = none * m, [0] * m
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._unhook()
         self._armed = False
 
     # -- the series, the forecasts, the actions (host side) ---------------------------------------------------
@@ -197,8 +277,10 @@ class Watch:
         self.clear()
         self.readings += 1
         unscale = scale if scale and scale > 0 else 1.0
+        fp8_at = {n: f for f, n in enumerate(self.fp8)}
+        n_amax, nf = self.n_amax, len(self.fp8)
         for i, name in enumerate(self.names):
-            out, grad, small = values[i], values[m + i], values[2 * m + i]
+            out, grad, small = values[i], values[m + i], values[n_amax + i]
             if math.isnan(out) and math.isnan(grad):
                 continue  # the module did not run this step
             s = self.series[name]
@@ -206,6 +288,9 @@ class Watch:
             s["output"].append(out)
             s["gradient"].append(grad / unscale)
             s["underflow"].append(small / totals[i] if totals[i] else math.nan)
+            if name in fp8_at:
+                s["fp8_input"].append(values[2 * m + fp8_at[name]])
+                s["fp8_weight"].append(values[2 * m + nf + fp8_at[name]])
             fmt = policy.effective_format(name)
             if fmt not in self.ran_in[name]:
                 self.ran_in[name].append(fmt)
@@ -222,45 +307,53 @@ class Watch:
                 self.writer.add_scalar(f"watch/{tag}/{key}", v, step)
 
     def _refresh(self, step: int, policy: Policy, scale: float | None) -> list[dict[str, Any]]:
-        due: list[dict[str, Any]] = []
+        tasks: list[tuple[str, str, str]] = []
+        series: list[tuple[list[float], np.ndarray, float, bool]] = []
+        delayed = watch_fp8.delayed_modules(policy) if self.fp8 else set()
         for name in self.names:
             s = self.series[name]
             if len(s["step"]) < 2:
                 continue
-            steps = list(s["step"])[-self.window:]
+            # the fit's window only, not the history
+            steps = _tail(s["step"], self.window)
+            logs = _RecentLogs(s, self.window)  # log2 of a series' window, computed when a target needs it
             for fmt in self.ran_in[name]:
-                for kind, limit, vals, rising in self._targets(name, fmt, s, scale):
-                    fc = fit_crossing(steps, vals[-self.window:], limit=limit, now=step, horizon=self.horizon,
-                                      rising=rising)
-                    if fc is None:
-                        continue
-                    key = (name, fmt, kind)
-                    self.forecasts[key] = fc
-                    if fc.step is not None and fc.step - step <= LOG_HORIZONS * self.horizon:
-                        self.log.append({"at": step, "module": name, "format": fmt, "kind": kind, **fc.to_dict()})
-                        if self.writer is not None:
-                            self.writer.add_scalar(f"watch/{name or '(root)'}/{fmt}_{kind}_steps_left",
-                                                   fc.step - step, step)
-                    if fmt == policy.effective_format(name) and self._acts(fc, step):
-                        due.append({"module": name, "format": fmt, "kind": kind, "forecast": fc})
+                for kind, limit, vals, rising in self._targets(fmt, logs, scale):
+                    tasks.append((name, fmt, kind))
+                    series.append((steps, vals, limit, rising))
+            if name in delayed:  # the FP8 recipe's saturation (runtime/watch_fp8.py)
+                for kind, limit, at, rate in watch_fp8.targets(logs, steps):
+                    tasks.append((name, watch_fp8.DELAYED, kind))
+                    series.append((at, rate, limit, True))
+        due: list[dict[str, Any]] = []
+        for (name, fmt, kind), fc in zip(tasks, fit_crossings(series, now=step, horizon=self.horizon)):
+            if fc is None:
+                continue
+            self.forecasts[(name, fmt, kind)] = fc
+            if fc.step is not None and fc.step - step <= LOG_HORIZONS * self.horizon:
+                self.log.append({"at": step, "module": name, "format": fmt, "kind": kind, **fc.to_dict()})
+                if self.writer is not None:
+                    self.writer.add_scalar(f"watch/{name or '(root)'}/{fmt}_{kind}_steps_left", fc.step - step, step)
+            current = name in delayed if fmt == watch_fp8.DELAYED else fmt == policy.effective_format(name)
+            if current and self._acts(fc, step):
+                due.append({"module": name, "format": fmt, "kind": kind, "forecast": fc})
         return due
 
-    def _targets(self, name: str, fmt: str, s: dict[str, collections.deque[float]],
-                 scale: float | None) -> list[tuple[str, float, list[float], bool]]:
-        """(kind, limit, series, rising) to forecast for ``name`` in ``fmt``."""
+    def _targets(self, fmt: str, logs: dict[str, np.ndarray],
+                 scale: float | None) -> list[tuple[str, float, np.ndarray, bool]]:
+        """(kind, limit, series, rising) to forecast for a module running in ``fmt`` whose recent readings'
+        log2 are ``logs``."""
         top = format_max(fmt)
         if top is None:
             return []
-        out = [_log2(v) for v in s["output"]]
-        targets = [("activation", math.log2(top), out, True)]
+        targets = [("activation", math.log2(top), logs["output"], True)]
         if fmt == "fp16":
             if scale is not None and scale > 0:
-                grad = [_log2(v) + math.log2(scale) for v in s["gradient"]]
-                targets.append(("gradient", math.log2(top), grad, True))
-            if any(math.isfinite(v) for v in s["underflow"]):
+                targets.append(("gradient", math.log2(top), logs["gradient"] + math.log2(scale), True))
+            if np.isfinite(logs["underflow"]).any():
                 # the share's logarithm: a gradient shrinking by a steady factor moves its distribution's tail
                 # past 2^-14 at a roughly exponential rate (the share itself bends upwards)
-                targets.append(("underflow", math.log2(UNDERFLOW_LIMIT), [_log2(v) for v in s["underflow"]], True))
+                targets.append(("underflow", math.log2(UNDERFLOW_LIMIT), logs["underflow"], True))
         return targets
 
     def _acts(self, fc: Crossing, step: int) -> bool:
@@ -293,7 +386,7 @@ class Watch:
             "every": self.every, "horizon": self.horizon, "min_confidence": self.min_confidence,
             "window": self.window, "readings": self.readings,
             "modules": {n: {"formats": list(self.ran_in[n]),
-                            **{k: [_short(v) for v in s[k]] for k in ("step", "output", "gradient", "underflow")}}
+                            **{k: [_short(v) for v in vals] for k, vals in s.items()}}
                         for n, s in self.series.items() if s["step"]},
             "forecasts": self.log[-2000:],
             "actions": [a.to_dict() for a in self.actions],
@@ -309,6 +402,8 @@ def make_watch(on: bool, modules: list[tuple[str, torch.nn.Module]], **options: 
 
 def describe(name: str, fmt: str, kind: str, fc: Crossing, step: int) -> str:
     """The forecast in words, for a reason and the log."""
+    if kind in watch_fp8.KINDS:
+        return watch_fp8.describe(kind, fc, step)
     what = {"activation": "its output amax", "gradient": "its scaled output-gradient amax",
             "underflow": "the share of its fp16 output gradient below the normal range"}[kind]
     limit = (f"fp16's underflow limit {UNDERFLOW_LIMIT:g}" if kind == "underflow"
@@ -337,6 +432,29 @@ def _first_float(out: Any) -> torch.Tensor | None:
     return None
 
 
+class _RecentLogs(dict[str, np.ndarray]):
+    """log2 of each series' last ``window`` readings, computed on first use."""
+
+    def __init__(self, series: dict[str, collections.deque[float]], window: int) -> None:
+        super().__init__()
+        self._series, self._window = series, window
+
+    def __missing__(self, key: str) -> np.ndarray:
+        v = self[key] = _log2_array(_tail(self._series[key], self._window))
+        return v
+
+
+def _tail(d: collections.deque[float], n: int) -> list[float]:
+    return list(itertools.islice(d, max(0, len(d) - n), None))
+
+
+def _log2_array(v: list[float]) -> np.ndarray:
+    """:func:`_log2` of each value: NaN for 0, negative or NaN, +inf for +inf."""
+    a = np.asarray(v, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(a > 0, np.log2(a), np.nan)
+
+
 def _log2(v: float) -> float:
     return math.log2(v) if v > 0 and math.isfinite(v) else (math.inf if v == math.inf else math.nan)
 
@@ -353,9 +471,19 @@ def apply_due(watch: Watch, due: list[dict[str, Any]], policy: Policy, scaler: t
     cc = policy.target_compute_capability
     bf16_ok = cc is not None and tuple(cc) >= (8, 0)
     promoted: list[str] = []
+    replanned: list[str] = []
     scaled = False
     for d in due:
         name, fmt, kind, fc = d["module"], d["format"], d["kind"], d["forecast"]
+        if kind in watch_fp8.KINDS:  # the FP8 plan's recipe, before the delayed scale saturates
+            if name in replanned:
+                continue
+            reason = (f"{watch_fp8.DELAYED} -> {watch_fp8.REPLACEMENT} by the watch at step {step}: "
+                      f"{describe(name, fmt, kind, fc, step)}")
+            policy = watch_fp8.replan(policy, name, reason)
+            replanned.append(name)
+            watch.note(Action(step, name, "fp8_recipe", f"{watch_fp8.DELAYED} -> {watch_fp8.REPLACEMENT}", reason))
+            continue
         if kind == "gradient":
             if scaled or scaler is None or not scaler.is_enabled():
                 continue
