@@ -68,6 +68,13 @@ class OpTracker(TorchDispatchMode):
         self.widths = AutocastWidths()
         calls.outside_ops = ModuleOps()  # the ops outside every module (the loss), for the cost model
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch does not wrap :meth:`__torch_dispatch__` in ``torch._dynamo.disable``, whose first call
+        imports Dynamo (1-3 s; capture/compile_stance.py). The tracker is on only inside the session, where the
+        force_eager stance leaves nothing for Dynamo to compile, so the wrapper would change nothing."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         s = self.calls

@@ -50,6 +50,7 @@ from ..model_names import named_modules
 from ..outputs import _NoInterrupt
 from ..tf32_switches import tf32_switches
 from .checkpointing import NonReentrantCheckpoints
+from .compile_stance import force_eager
 from .config import CaptureConfig
 from .failures import RunFailure
 from .format_pass import FormatPasses
@@ -176,7 +177,7 @@ class CaptureSession(ReferencePass, FormatPasses):
             self._user_autocast = es.enter_context(UserAutocast(self.config.mode == "emulated"))
             es.enter_context(NonReentrantCheckpoints())
             # torch.compile'd submodules run their eager code, which the hooks and the emulation see op by op
-            es.enter_context(torch.compiler.set_stance("force_eager"))
+            es.enter_context(force_eager())
             self._install_hooks()
         except BaseException:
             self.__exit__(*sys.exc_info())

@@ -34,6 +34,7 @@ from markupsafe import Markup, escape
 from ..record import AuditRecord
 from . import charts
 from .numbers import _label, fmt_bytes, fmt_db, fmt_num, fmt_pct, fmt_scale, fmt_seconds, fmt_value, severity
+from .template_cache import template_cache
 from .view import BAND_FORMATS, SECTIONS, build_view, given
 
 __all__ = ["BAND_FORMATS", "SECTIONS", "TEMPLATE", "build_view", "fmt_num", "fmt_scale", "generic_html",
@@ -96,6 +97,7 @@ def _env() -> jinja2.Environment:
                        scale=fmt_scale, value=lambda v, key="": fmt_value(key, v), generic=generic_html, label=_label)
     env.globals.update(severity=severity, isfinite=lambda x: x is not None and math.isfinite(x),
                        series_class=charts.series_class, fmt_value=fmt_value, asset=_asset, given=given, opt=opt)
+    env.bytecode_cache = template_cache(env)  # the compiled template, kept between processes
     return env
 
 
