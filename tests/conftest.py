@@ -39,6 +39,9 @@ def _kernel_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PRECISION_AUDIT_KERNEL_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
         mp.setenv("PRECISION_AUDIT_AUTO_BUILD", "0")
+        # report.html's compiled template (precision_audit/report/template_cache.py): the session's own cache,
+        # not the developer's ~/.cache
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
         yield
 
 
