@@ -7,8 +7,9 @@ parameter it reduces. A parameter no forward uses (BERT's pooler under a masked-
 task) never gets one: the bucket holding it is never reduced, and the next forward raises "Expected to have
 finished reduction in the prior iteration", so that every format pass fails and the plan falls back to FP32.
 
-So before wrapping, each rank runs one forward of its batch share with autograd recording (the modules in eval
-mode, every generator forked: nothing of the model or the RNG changes), computes the loss the audit will use,
+So before wrapping, each rank runs one forward of its batch share with autograd recording (in the model's own
+mode, as the passes run it; its buffers, attributes and hooks put back after and every generator forked: nothing
+of the model or the RNG changes), computes the loss the audit will use,
 walks the loss's autograd graph to the parameters it reaches, and the ranks agree on the rest. Those parameters
 are left out of DDP's reduction (they have no gradient to reduce): a model whose every parameter is used is wrapped
 exactly as before. A rank that uses a parameter another does not is refused with its name (DDP cannot reduce
@@ -51,17 +52,19 @@ def reached_parameters(loss: torch.Tensor) -> set[int] | None:
 
 @contextlib.contextmanager
 def _untouched(model: torch.nn.Module, device: str) -> Iterator[None]:
-    """Eval mode (no running statistics updated) and forked generators for the trial forward; put back after."""
-    modes = [(m, m.training) for m in model.modules()]
-    cuda = device.startswith("cuda")
-    devices = [torch.cuda.current_device()] if cuda else []
+    """The trial forward in the model's own mode (the passes' graph: a parameter used only in training counts as
+    used), with its buffers, attributes and hooks put back after (capture/model_state.py, as the passes do) and
+    every generator forked."""
+    from ..capture.model_state import ModelState
+
+    state = ModelState(model, device)
+    devices = [torch.cuda.current_device()] if device.startswith("cuda") else []
     try:
         with torch.random.fork_rng(devices=devices), host_rng.fork(), torch.enable_grad():
-            model.eval()
+            state.prepare()
             yield
     finally:
-        for m, training in modes:
-            m.training = training
+        state.restore()
 
 
 #: how an exception of the model in this forward is named to the user (distributed/failure.py's model_raised)

@@ -30,6 +30,26 @@ def sample_batch():
     return torch.randn(32, 64, generator=g), torch.randint(0, 16, (32,), generator=g)
 """
 
+TRAINING_ONLY = """
+import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 128)
+        self.aux = nn.Linear(128, 128)  # used in training only, as an auxiliary loss head
+        self.b = nn.Linear(128, 16)
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.training:
+            h = h + 0.1 * self.aux(h)
+        return self.b(h)
+def build_model():
+    torch.manual_seed(0); return Net()
+def sample_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(32, 64, generator=g), torch.randint(0, 16, (32,), generator=g)
+"""
+
 SOME_RANKS = """
 import torch, torch.nn as nn
 class Net(nn.Module):
@@ -73,6 +93,16 @@ def test_an_unused_head_audits_across_ranks_as_in_one_process(tmp_path):
                for p in (a["plan"], b["plan"])]
     assert decided[0] == decided[1] and decided[1][0] != "fp32", decided
     assert "Expected to have finished reduction" not in json.dumps(b)
+
+
+def test_a_parameter_used_in_training_only_is_reduced(tmp_path):
+    """The forward that finds unused parameters runs in the model's own (training) mode, as the passes do: 'aux'
+    is used there and reduced; a forward in eval mode would leave it out of DDP's sums, and its gradients would be
+    each rank's own (the figures below would differ from one process's)."""
+    src = tmp_path / "model.py"
+    src.write_text(TRAINING_ONLY)
+    _, b = _compare(str(src), tmp_path)
+    assert b["distributed"]["parallelism"] == "DistributedDataParallel"
 
 
 def test_a_parameter_only_some_ranks_use_is_refused_by_name(tmp_path):
