@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import statistics
@@ -92,6 +91,7 @@ def main() -> None:
 
     from precision_audit.emulation import compiled
     from precision_audit.emulation.autocast import CudaAutocastPolicy, emulated_autocast
+    from precision_audit.loading import load_batch, load_model, resolve_loss
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -105,28 +105,24 @@ def main() -> None:
                        check=True)
     import_s, build_s, batch_s = map(float, p.stdout.split()[-3:])
 
-    spec = importlib.util.spec_from_file_location("floor_model", args.model)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    model = mod.build_model()
-    batch = torch.load(args.batch)
+    # the model, its batch and its loss as the audit resolves them (precision_audit/loading): a dict batch, a
+    # tuple or a tensor, the model's own loss or the file's loss_fn
+    model, source = load_model(args.model)
+    batch = load_batch(args.batch, model, source)
+    spec = resolve_loss(source, model(*batch.args, **batch.kwargs), batch)
     threads = torch.get_num_threads()
     second = 1 if threads > 1 else 2
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-    def loss(out):
-        return out.loss if hasattr(out, "loss") else out[0] if isinstance(out, tuple) else out
-
     def step(ctx=contextlib.nullcontext):
         model.zero_grad(set_to_none=True)
         with ctx():
-            out = model(**batch)
-        loss(out).float().backward()
+            out = model(*batch.args, **batch.kwargs)
+        spec(out, batch).float().backward()
 
     def forward(ctx=contextlib.nullcontext):
         with torch.no_grad(), ctx():
-            model(**batch)
+            model(*batch.args, **batch.kwargs)
 
     def at(n: int, fn):
         old = torch.get_num_threads()
