@@ -12,6 +12,7 @@ imports the stages before it, never after); precision_audit/distributed/tensors.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -29,16 +30,16 @@ def set_replicated_owner(rank: int | None) -> None:
 
 def owned_part(t: torch.Tensor) -> torch.Tensor:
     """This rank's share of a parameter or gradient tensor (the whole tensor outside a distributed audit)."""
-    try:
-        from torch.distributed.tensor import DTensor, Replicate
-    except ImportError:  # a torch built without distributed support
-        return t if _REPLICATED_OWNER.get("rank", 0) == 0 else t.new_empty((0,))
-    if isinstance(t, DTensor):
+    # No DTensor can exist before its module is imported (FSDP2 and transformers import it; a plain model does
+    # not): importing it here would cost an audit of such a model ~0.7 s (docs/performance.md).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        replicate = dtensor.Replicate
         local = t.to_local()
         coords: Sequence[int] = t.device_mesh.get_coordinate() or []
         # a mesh dimension the tensor is replicated on: only coordinate 0 along it counts
         for dim, placement in enumerate(t.placements):
-            if isinstance(placement, Replicate) and dim < len(coords) and coords[dim] != 0:
+            if isinstance(placement, replicate) and dim < len(coords) and coords[dim] != 0:
                 return local.new_empty((0,))
         return local
     if _REPLICATED_OWNER.get("rank", 0) != 0:
