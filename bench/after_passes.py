@@ -11,20 +11,25 @@ received. Then each part runs ``--repeats`` times on those same results and the 
 - ``analyse``: precision_audit/analysis/findings.py ``analyse`` on the final capture and noise floor;
 - ``decide``: precision_audit/planning/second_order.py ``decide`` (analysis and planner, re-run as the audit runs
   them; the second order's passes, already measured, are not run again);
-- ``audit.json``, ``policy.json``: the record to JSON and its text, as precision_audit/audit.py writes them;
-- ``report.html``: ``render_html`` of the record (the template's compiled code cached, as after a first audit);
+- ``to_json``: the record to audit.json's document (precision_audit/record/codec.py);
+- ``audit.json``, ``policy.json``: the document and its text, as precision_audit/audit.py writes them;
+- ``report.html``: ``render_html`` of the record (the template's compiled code cached, as after a first audit;
+  the record converted to audit.json's document and read back included);
 - ``tb events``: precision_audit/report/tensorboard.py ``write_scalars`` into a new folder;
-- ``write``: the whole of audit.py's ``_write_outputs`` (the four above, staged and moved into place).
+- ``write``: the whole writing stage of ``run_audit`` (audit.json, policy.json, report.html and the events,
+  staged and moved into place: precision_audit/audit.py ``_write_outputs``).
 
 ``--hashes`` prints a SHA-256 of audit.json (its ``created`` and ``options.out`` fixed), policy.json and
-report.html, so that two versions of the code can be compared on the same model. The import of
-``torch.utils.tensorboard`` that the first write of a process paid for before the events were written directly
-(report/event_file.py) is not in these repeats: measure it with ``python -X importtime``.
+report.html (its generation time fixed), so that two versions of the code can be compared on the same model.
+The import of ``torch.utils.tensorboard`` that the first write of a process paid for before the events were
+written directly (report/event_file.py) is not in these repeats: measure it with ``python -X importtime``.
+The parts run what this checkout's audit.py runs (also a checkout from before record/json_text.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import hashlib
 import json
 import os
@@ -52,6 +57,7 @@ def main() -> None:
     from precision_audit.planning.rules import plan_mixed_precision
     from precision_audit.planning.second_order import decide
     from precision_audit.record.codec import to_json
+    from precision_audit.report.html import render_html
     from precision_audit.report.tensorboard import write_scalars
 
     kept: dict = {}
@@ -88,13 +94,25 @@ def main() -> None:
         def write() -> None:
             n[0] += 1
             out = Path(tmp) / "w" / str(n[0])
-            A._write_outputs(out, out, result.record, result.policy, html(), result.traces)
+            if hasattr(result, "_texts"):  # audit.json's document shared with the page
+                result._html = None
+                A._write_outputs(out, out, result.record, *result._texts(), result.policy, result.traces)
+            else:
+                A._write_outputs(out, out, result.record, result.policy, html(), result.traces)
+
+        try:
+            from precision_audit.record.json_text import dumps
+        except ImportError:  # before it
+
+            def dumps(doc, indent):
+                return json.dumps(doc, indent=indent, allow_nan=False)
 
         parts = {
             "analyse": lambda: analyse(k["capture"], k["budget"], k["noise"]),
             "decide": lambda: decide(k["capture"], k["noise"], k["budget"], plan, lambda todo: None, lambda: None),
-            "audit.json": lambda: json.dumps(to_json(result.record), indent=1, allow_nan=False),
-            "policy.json": lambda: json.dumps(result.policy.to_dict(), indent=2, allow_nan=False),
+            "to_json": lambda: to_json(result.record),
+            "audit.json": lambda: dumps(to_json(result.record), 1),
+            "policy.json": lambda: dumps(result.policy.to_dict(), 2),
             "report.html": html,
             "tb events": events,
             "write": write,
@@ -120,7 +138,8 @@ def main() -> None:
         if args.hashes:
             texts = {"audit.json": json.dumps(to_json(result.record), indent=1, allow_nan=False),
                      "policy.json": json.dumps(result.policy.to_dict(), indent=2, allow_nan=False),
-                     "report.html": html()}
+                     "report.html": render_html(result.record, result.policy.to_dict(),
+                                                _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc))}
             for name, text in texts.items():
                 print(f"  {name:<12} sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}")
 
