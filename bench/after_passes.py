@@ -5,8 +5,9 @@ in one process on the results of one audit (docs/performance.md, "After the pass
     PA_DEPTH=16 PA_WIDTH=256 PA_BATCH=64 python bench/after_passes.py bench/models/residual_mlp.py
     python bench/after_passes.py /tmp/rm/llama/model.py --batch /tmp/rm/llama/sample.pt   # bench/real_models.py's
 
-One audit runs first (default options, ``--steps 0``; its passes are not timed), keeping what the planner's step
-received. Then each part runs ``--repeats`` times on those same results and the medians are printed:
+One audit runs first (default options, ``--steps 0``), keeping what the planner's step received, and is timed
+whole, as is a second audit in the same process after the repeats. Then each part runs ``--repeats`` times on
+those same results and the medians are printed:
 
 - ``analyse``: precision_audit/analysis/findings.py ``analyse`` on the final capture and noise floor;
 - ``decide``: precision_audit/planning/second_order.py ``decide`` (analysis and planner, re-run as the audit runs
@@ -29,6 +30,7 @@ The parts run what this checkout's audit.py runs (also a checkout from before re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -131,7 +133,10 @@ def main() -> None:
                 with cProfile.Profile() as pr:
                     fn()
                 pr.dump_stats(Path(args.profile) / f"{name.replace(' ', '_')}.prof")
-        print(f"{args.model}: {len(result.record.layers)} modules; first audit {first:.2f} s; "
+        t0 = time.perf_counter()
+        A.run_audit(dataclasses.replace(opts, out=str(Path(tmp) / "second")))
+        second = time.perf_counter() - t0
+        print(f"{args.model}: {len(result.record.layers)} modules; audits {first:.2f} s, then {second:.2f} s; "
               f"load average {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}")
         for name, v in times.items():
             print(f"  {name:<12} median {statistics.median(v) * 1e3:8.1f} ms   min {min(v) * 1e3:8.1f} ms")

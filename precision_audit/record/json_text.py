@@ -58,9 +58,11 @@ def dumps(doc: Any, indent: int) -> str:
                 inner = nl + step
                 sep = "{" + inner
                 for k, v in o.items():
-                    append(sep + _key(k) + ": ")
-                    s = _scalar(v)
-                    if s is None:
+                    append(sep + (_string(k) if type(k) is str else _key(k)) + ": ")
+                    t = type(v)
+                    if t is dict or t is list:
+                        walk(v, inner)
+                    elif (s := _scalar(v)) is None:
                         walk(v, inner)
                     else:
                         append(s)
@@ -76,8 +78,10 @@ def dumps(doc: Any, indent: int) -> str:
                 sep = "[" + inner
                 for v in o:
                     append(sep)
-                    s = _scalar(v)
-                    if s is None:
+                    t = type(v)
+                    if t is dict or t is list:
+                        walk(v, inner)
+                    elif (s := _scalar(v)) is None:
                         walk(v, inner)
                     else:
                         append(s)
