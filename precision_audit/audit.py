@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
-import json
 import logging
 import math
 import os
@@ -65,6 +64,7 @@ from .planning.verified import ChosenPlan, plan_and_verify
 from .policy.schema import Policy
 from .record import AuditRecord
 from .record.codec import AUDIT_SCHEMA_ID, AUDIT_VERSION, to_json
+from .record.json_text import dumps
 from .run_setup import RunSetup, resolve_device, set_up
 from .version import __version__
 
@@ -120,6 +120,17 @@ class AuditResult:
             self._html = render_html(self.record, self.policy.to_dict())
         return self._html
 
+    def _texts(self) -> tuple[str, str]:
+        """audit.json's text and report.html's, from one ``to_json`` of the record (the page renders audit.json's
+        content, record/codec.py ``as_stored``: building it once saves one conversion of the record)."""
+        doc = to_json(self.record)
+        text = dumps(doc, 1) + "\n"  # before the page reads the document
+        if self._html is None:
+            from .report.html import render_audit_json
+
+            self._html = render_audit_json(doc, self.policy.to_dict())
+        return text, self._html
+
     def summary(self) -> str:
         """The table the command line prints at the end of an audit, as text."""
         from .report.terminal import summary_text
@@ -135,7 +146,7 @@ class AuditResult:
         if self.record.options.out != str(given):
             self.record.options.out = str(given)
             self._html = None  # the report lists the options
-        self.files = _write_outputs(_absolute(given), given, self.record, self.policy, self.to_html(), self.traces)
+        self.files = _write_outputs(_absolute(given), given, self.record, *self._texts(), self.policy, self.traces)
         return self.files
 
     def _repr_html_(self) -> str:
@@ -253,7 +264,7 @@ def run_audit(opts: AuditOptions, progress: Progress | None = None) -> AuditResu
     _record_paths_as_given(c.record, opts, given)
     say("writing report.html, policy.json and audit.json")
     result = result_of(c)
-    result.files = _write_outputs(opts.out, given.out, c.record, c.policy, result.to_html(), c.traces)
+    result.files = _write_outputs(opts.out, given.out, c.record, *result._texts(), c.policy, c.traces)
     return result
 
 
@@ -263,14 +274,15 @@ def result_of(c: AuditComputation) -> AuditResult:
                        plan=c.plan, traces=dict(c.traces))
 
 
-def _write_outputs(out: Path, given: Path, record: AuditRecord, policy: Policy, html: str,
+def _write_outputs(out: Path, given: Path, record: AuditRecord, audit_text: str, html: str, policy: Policy,
                    traces: dict[str, bytes]) -> list[Path]:
-    """Stage every output in ``out`` (absolute) and move them into place together; the paths under ``given``."""
-    from .report.tensorboard import EVENT_SUFFIX, write_scalars  # tensorboard only when writing
+    """Stage every output in ``out`` (absolute) and move them into place together; the paths under ``given``.
+    ``audit_text``: audit.json's text (``json.dumps(to_json(record), indent=1)``, record/json_text.py)."""
+    from .report.tensorboard import EVENT_SUFFIX, write_scalars
 
     with Staging(out, _OUT_FOLDERS) as stage:
-        stage.write("audit.json", json.dumps(to_json(record), indent=1, allow_nan=False) + "\n")
-        stage.write("policy.json", json.dumps(policy.to_dict(), indent=2, allow_nan=False) + "\n")
+        stage.write("audit.json", audit_text)
+        stage.write("policy.json", dumps(policy.to_dict(), 2) + "\n")
         stage.write("report.html", html)
         for name, data in traces.items():
             stage.write(f"tb/{name}", data)

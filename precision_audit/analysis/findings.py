@@ -14,6 +14,7 @@ from ..capture.records import CaptureResult, LayerRecord, RunRecord
 from ..capture.stats import ErrorStats, MagnitudeHistogram
 from ..formats import RANGE_FORMATS, Format, headroom_bits
 from ..options import Budget
+from .histograms import Counts
 from .loss_scale import LossScaleFinding, backward_overflow, recommend_fp16_loss_scale
 
 
@@ -31,15 +32,17 @@ class RangeFinding:
 
     @classmethod
     def of(cls, h: MagnitudeHistogram, formats: tuple[Format, ...] = RANGE_FORMATS,
-           scale_exponent: int = 0) -> RangeFinding:
+           scale_exponent: int = 0, counts: Counts | None = None) -> RangeFinding:
+        """The finding of ``h`` (``counts``: its counts already read, analysis/histograms.py)."""
+        c = counts or Counts(h)
         return cls(
             amax=h.amax,
             elements=h.total,
             zeros=h.zeros,
             nonfinite=h.nonfinite,
             headroom_bits={f.value: headroom_bits(f, h.amax) for f in formats},
-            fractions={f.value: h.fractions(f, scale_exponent) for f in formats},
-            exponent_histogram=h.exponent_histogram(),
+            fractions={f.value: c.fractions(f, scale_exponent) for f in formats},
+            exponent_histogram=c.exponent_histogram(),
         )
 
     def overflows(self, fmt: Format) -> bool:
@@ -172,24 +175,25 @@ class Analysis:
     noise: Any = None  # capture.noise.NoiseFloor, when the second reduction order was measured
 
 
-def _grad_fracs(h: MagnitudeHistogram, k: int | None) -> dict[str, float] | None:
+def _grad_fracs(h: MagnitudeHistogram, c: Counts, k: int | None) -> dict[str, float] | None:
     if k is None or h.total == 0:
         return None
-    return h.fractions(Format.FP16, k)
+    return c.fractions(Format.FP16, k)
 
 
 def analyse(capture: CaptureResult, budget: Budget, noise: Any = None) -> Analysis:
     """Derive findings from a finished capture; ``noise`` (capture.noise.NoiseFloor) holds the second reduction
     order's passes, and a format's verdict then rests on the upper end of the two orders' figures."""
     forward_overflow = None
-    fp16_layers = [r for r in capture.layers if r.name and r.activation.fractions(Format.FP16)["overflow"] > 0]
+    acts = [Counts(r.activation) for r in capture.layers]  # each histogram read once (analysis/histograms.py)
+    fp16_layers = [r for r, c in zip(capture.layers, acts) if r.name and c.fractions(Format.FP16)["overflow"] > 0]
     if Format.FP16 in capture.formats and fp16_layers:
         forward_overflow = fp16_layers[0].name
     ls = (recommend_fp16_loss_scale(capture.layers, forward_overflow, backward_overflow(capture.runs.get(Format.FP16)))
           if Format.FP16 in capture.formats else None)
     k_rec = ls.recommended_exponent if ls else None
 
-    layers = [_layer(r, capture, k_rec) for r in capture.layers]
+    layers = [_layer(r, capture, k_rec, c) for r, c in zip(capture.layers, acts)]
     ref = capture.reference.loss or 0.0
     fp32_bad = fp32_nonfinite(capture)
     summaries = {f: _summary(capture.runs[f], ref, budget, fp32_bad, noise) for f in capture.formats
@@ -198,7 +202,7 @@ def analyse(capture: CaptureResult, budget: Budget, noise: Any = None) -> Analys
                     fp32_nonfinite=fp32_bad, noise=noise)
 
 
-def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFinding:
+def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None, act: Counts) -> LayerFinding:
     errors = {}
     for f, fs in r.formats.items():
         errors[f] = FormatError(
@@ -207,14 +211,15 @@ def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFi
             activation_nonfinite=fs.activation.nonfinite, unmatched_calls=fs.unmatched_calls,
         )
     has_params = r.grad_param.total > 0
+    out, par = Counts(r.grad_output), Counts(r.grad_param) if has_params else None
     grad = GradientFinding(
         output_amax=r.grad_output.amax,
-        output_fp16_unscaled=r.grad_output.fractions(Format.FP16, 0),
-        output_fp16_at_recommended=_grad_fracs(r.grad_output, k_rec),
+        output_fp16_unscaled=out.fractions(Format.FP16, 0),
+        output_fp16_at_recommended=_grad_fracs(r.grad_output, out, k_rec),
         param_amax=r.grad_param.amax if has_params else None,
-        param_fp16_unscaled=r.grad_param.fractions(Format.FP16, 0) if has_params else None,
-        param_fp16_at_recommended=_grad_fracs(r.grad_param, k_rec) if has_params else None,
-        output_exponent_histogram=r.grad_output.exponent_histogram(),
+        param_fp16_unscaled=par.fractions(Format.FP16, 0) if par else None,
+        param_fp16_at_recommended=_grad_fracs(r.grad_param, par, k_rec) if par else None,
+        output_exponent_histogram=out.exponent_histogram(),
         nonfinite={f.value: fs.grad_output.nonfinite + fs.grad_param_nonfinite for f, fs in r.formats.items()},
         fp32_output_nonfinite=r.grad_output.nonfinite,
         fp32_param_nonfinite=r.grad_param.nonfinite,
@@ -229,7 +234,7 @@ def _layer(r: LayerRecord, capture: CaptureResult, k_rec: int | None) -> LayerFi
     return LayerFinding(
         name=r.name, type=r.type, depth=r.depth, is_leaf=r.is_leaf, computes=r.computes, calls=r.calls,
         param_count=r.param_count, total_param_count=r.total_param_count, output_shapes=r.output_shapes, errors=errors,
-        activation=RangeFinding.of(r.activation), gradient=grad, notes=notes,
+        activation=RangeFinding.of(r.activation, counts=act), gradient=grad, notes=notes,
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from ..capture.records import LayerRecord, RunRecord
 from ..capture.stats import SCALE_EXPONENTS, MagnitudeHistogram
 from ..formats import SPECS, Format
+from .histograms import Counts
 
 # torch.amp.GradScaler defaults (torch/amp/grad_scaler.py, torch 2.13).
 GRADSCALER_INIT_EXPONENT = 16
@@ -264,18 +265,20 @@ def recommend_loss_scale(grads: MagnitudeHistogram, forward_overflow: str | None
         finding = recommend_loss_scale(fp16_gradients(capture.layers).histogram)
         scaler = torch.amp.GradScaler("cuda", init_scale=finding.recommended_scale)
     """
+    counts = Counts(grads)  # read once: a fraction at each of up to 73 scales (analysis/histograms.py)
+
     def frac(k: int) -> dict[str, float]:
-        return grads.fractions(Format.FP16, k)
+        return counts.fractions(Format.FP16, k)
 
     g = grads.amax
     unscaled = frac(0)
     basis = _basis_text(gradients)
-    if grads.nonzero_finite == 0 and backward_overflow is None:
+    if counts.nonzero_finite == 0 and backward_overflow is None:
         return _no_gradient_finding(grads, forward_overflow, gradients)
     fp16_max = SPECS[Format.FP16].max
     measured = f" and {_measured_text(backward_overflow)}" if backward_overflow else ""
     cap = backward_overflow.max_exponent if backward_overflow is not None else None
-    no_overflow = [k for k in SCALE_EXPONENTS if grads.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max
+    no_overflow = [k for k in SCALE_EXPONENTS if counts.count_at_or_above(_edge(k)) == 0 and g * 2.0**k < fp16_max
                    and (cap is None or k <= cap)]
     if not no_overflow:
         return LossScaleFinding(g, forward_overflow, None, None, None, unscaled["flushed"], None, unscaled["overflow"],

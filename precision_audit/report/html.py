@@ -38,7 +38,7 @@ from .template_cache import template_cache
 from .view import BAND_FORMATS, SECTIONS, build_view, given
 
 __all__ = ["BAND_FORMATS", "SECTIONS", "TEMPLATE", "build_view", "fmt_num", "fmt_scale", "generic_html",
-           "render_html"]
+           "render_audit_json", "render_html"]
 
 TEMPLATE = "report.html.j2"
 
@@ -112,11 +112,24 @@ def render_html(audit: AuditRecord, policy: Mapping[str, Any] | None, generated:
     if not isinstance(audit, AuditRecord):
         raise TypeError(f"render_html takes the audit's record (precision_audit.record.AuditRecord), not "
                         f"{type(audit).__name__}: read a saved audit.json with record.codec.from_json")
-    from ..record.codec import as_stored
+    from ..record.codec import to_json
+
+    with _no_cyclic_gc():
+        return render_audit_json(to_json(audit), policy, generated)
+
+
+def render_audit_json(doc: Mapping[str, Any], policy: Mapping[str, Any] | None,
+                      generated: _dt.datetime | None = None) -> str:
+    """:func:`render_html` of the record whose audit.json content is ``doc`` (``to_json(record)``, not validated:
+    a file read from disk goes through ``from_json``). The audit writes audit.json and this page from one ``doc``
+    (precision_audit/audit.py); the page reads it without changing it."""
+    from ..record.codec import read
 
     when = (generated or _dt.datetime.now(_dt.timezone.utc)).isoformat(timespec="seconds")
     with _no_cyclic_gc():
-        stored = as_stored(audit)  # non-finite figures as the file holds them (None, shown as "inf/NaN")
+        # the record as audit.json stores it (record/codec.py, as_stored): non-finite figures as None, shown as
+        # "inf/NaN"
+        stored = read(AuditRecord, doc)
         view = build_view(stored, policy)
         return _env().get_template(TEMPLATE).render(a=stored, v=view, policy=policy, generated=when)
 

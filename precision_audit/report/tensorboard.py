@@ -26,16 +26,28 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..record import AuditRecord
 from ..record.codec import as_record
+from .event_file import (
+    custom_scalars_value,
+    file_version_event,
+    histogram_value,
+    scalar_value,
+    summary_event,
+    text_value,
+    tf_record,
+)
 from .numbers import fmt_num
 
 EVENT_SUFFIX = ".precision-audit"  # our event files end with this; older ones are replaced on rewrite
@@ -47,27 +59,32 @@ def write_scalars(audit: AuditRecord | Mapping[str, Any], logdir: Path, step: in
 
     ``audit`` is the audit's record, or audit.json's content (read into the record first). The file is written
     into a temporary folder first and moved into place, and the event file of an
-    earlier audit in the same folder is replaced, so TensorBoard never shows two audits mixed up.
+    earlier audit in the same folder is replaced, so TensorBoard never shows two audits mixed up. The events are
+    encoded here (precision_audit/report/event_file.py): neither ``torch.utils.tensorboard`` nor the
+    ``tensorboard`` package is imported.
     """
-    from torch.utils.tensorboard import SummaryWriter  # tensorboard only when writing
-
     logdir = Path(logdir)
     logdir.mkdir(parents=True, exist_ok=True)
+    data = b"".join(tf_record(e) for e in _events(as_record(audit), step))
+    # the name SummaryWriter gives its files (tensorboard's EventFileWriter): TensorBoard reads every
+    # events.out.tfevents.* file of a folder, in the order of their names
+    name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_IDS)}"
+            f"{EVENT_SUFFIX}")
     staging = Path(tempfile.mkdtemp(prefix=".tb-", dir=logdir))
     try:
-        writer = SummaryWriter(log_dir=str(staging), filename_suffix=EVENT_SUFFIX)
-        try:
-            _write(writer, as_record(audit), step)
-        finally:
-            writer.close()
-        (new,) = [p for p in staging.iterdir() if p.name.endswith(EVENT_SUFFIX)]
+        new = staging / name
+        new.write_bytes(data)
         for old in logdir.glob(f"events.out.tfevents.*{EVENT_SUFFIX}"):
             old.unlink()
-        target = logdir / new.name
+        target = logdir / name
         os.replace(new, target)
         return target
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+_FILE_IDS = itertools.count()  # the last part of an event file's name: files of one process differ
+_WRITER = "precision_audit.report.tensorboard"  # the event file's source_metadata.writer
 
 
 def _num(x: Any) -> float | None:
@@ -76,16 +93,15 @@ def _num(x: Any) -> float | None:
     return float(x)
 
 
-def _write(w: Any, r: AuditRecord, step: int) -> None:
-    from tensorboard.compat.proto.summary_pb2 import Summary  # type: ignore[import-untyped]  # no stubs
-    from torch.utils.tensorboard.summary import scalar as scalar_summary
-
-    values: list[Any] = []  # one event holding every value of this step
+def _events(r: AuditRecord, step: int) -> list[bytes]:
+    """The event file's events, encoded: its version, one event holding every scalar and histogram of ``step``, the
+    text table at ``step``, the custom-scalars layout (at step 0, as SummaryWriter writes it)."""
+    values: list[bytes] = []  # one event holding every value of this step
 
     def scalar(tag: str, value: Any) -> None:
         v = _num(value)
         if v is not None and math.isfinite(v):
-            values.extend(scalar_summary(tag, v).value)
+            values.append(scalar_value(tag, v))
 
     scalar("summary/fp32/loss", r.summary.fp32.loss)
     for f in r.formats:
@@ -115,13 +131,15 @@ def _write(w: Any, r: AuditRecord, step: int) -> None:
             for k, c in (h or {}).items():
                 counts[int(k)] = counts.get(int(k), 0) + int(c)
         values.extend(_histogram(tag, counts))
-    w._get_file_writer().add_summary(Summary(value=values), step)
-    w.add_text("layers", _layer_table(r), step)
-    w.add_custom_scalars({"precision-audit": {
-        "loss change (relative to FP32)": ["Multiline", [r"summary/.*/loss_rel_change"]],
-        "output error (relative L2)": ["Multiline", [r"summary/.*/output_rel_l2"]],
-        "worst module's local error": ["Multiline", [r"layers/.*/worst_local_rel_l2"]],
-        "estimated step time (s)": ["Multiline", [r"summary/.*/estimated_step_s"]]}})
+    layout = {"precision-audit": {
+        "loss change (relative to FP32)": ("Multiline", [r"summary/.*/loss_rel_change"]),
+        "output error (relative L2)": ("Multiline", [r"summary/.*/output_rel_l2"]),
+        "worst module's local error": ("Multiline", [r"layers/.*/worst_local_rel_l2"]),
+        "estimated step time (s)": ("Multiline", [r"summary/.*/estimated_step_s"])}}
+    return [file_version_event(time.time(), _WRITER),
+            summary_event(time.time(), step, values),
+            summary_event(time.time(), step, [text_value("layers", _layer_table(r))]),
+            summary_event(time.time(), 0, [custom_scalars_value(layout)])]
 
 
 def _log10_counts(errors: list[float]) -> dict[int, int]:
@@ -155,11 +173,9 @@ def _layer_table(r: AuditRecord) -> str:
     return "\n".join(rows)
 
 
-def _histogram(tag: str, hist: Any) -> list[Any]:
+def _histogram(tag: str, hist: Any) -> list[bytes]:
     """A histogram over binary exponents (bucket e holds the values with 2^e <= |x| < 2^(e+1)): its summary
-    values, none for an empty one."""
-    from torch.utils.tensorboard.summary import histogram_raw
-
+    value, none for an empty one."""
     if not isinstance(hist, Mapping) or not hist:
         return []
     items = sorted((int(k), int(v)) for k, v in hist.items() if int(v) > 0)
@@ -168,7 +184,6 @@ def _histogram(tag: str, hist: Any) -> list[Any]:
     num = sum(c for _, c in items)
     total = sum(e * c for e, c in items)
     sq = sum(e * e * c for e, c in items)
-    return list(histogram_raw(tag, min=float(items[0][0]), max=float(items[-1][0] + 1), num=num,
-                              sum=float(total), sum_squares=float(sq),
-                              bucket_limits=[float(e + 1) for e, _ in items],
-                              bucket_counts=[c for _, c in items]).value)
+    return [histogram_value(tag, min=float(items[0][0]), max=float(items[-1][0] + 1), num=num, sum=float(total),
+                            sum_squares=float(sq), bucket_limits=[float(e + 1) for e, _ in items],
+                            bucket_counts=[c for _, c in items])]
