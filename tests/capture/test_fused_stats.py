@@ -372,3 +372,110 @@ def test_dot64_propagates_non_finite_products_as_the_float64_expression(fused):
             want = stats.dot64(a, b.bfloat16())
         got = stats.dot64(a, b.bfloat16())
         assert (math.isnan(got) and math.isnan(want)) or got == want, (b, got, want)
+
+
+# -- the kernels' own orders and layouts (docs/performance.md, "Statistics: one read per tensor") ------------------
+
+
+def kernel_order_sums(ref: torch.Tensor, p: torch.Tensor) -> tuple[list[float], float, int, int]:
+    """error_sums' figures re-added in Python in the order the kernel promises: per 32768-element chunk, element
+    lo + 4k + l into lane l (products of the float32/float64 values in double), the four lanes added left to right,
+    the chunks in order from 0.0; elements whose reference is not finite left out. (sums, max_abs, ref_bad, bad)."""
+    r = ref.double().tolist()
+    q = p.double().tolist()
+    total = [0.0, 0.0, 0.0, 0.0]
+    most, nan, ref_bad, bad = 0.0, False, 0, 0
+    for lo in range(0, len(r), 1 << 15):
+        lanes = [[0.0] * 4 for _ in range(4)]
+        for i in range(lo, min(len(r), lo + (1 << 15))):
+            rv, qv = r[i], q[i]
+            if not math.isfinite(rv):
+                ref_bad += 1
+                continue
+            bad += not math.isfinite(qv)
+            d = qv - rv
+            lane = (i - lo) % 4
+            lanes[0][lane] += rv * rv
+            lanes[1][lane] += d * d
+            lanes[2][lane] += rv * qv
+            lanes[3][lane] += qv * qv
+            if math.isnan(d):
+                nan = True
+            else:
+                most = max(most, abs(d))
+        for k in range(4):
+            total[k] += ((lanes[k][0] + lanes[k][1]) + lanes[k][2]) + lanes[k][3]
+    return total, (math.nan if nan else most), ref_bad, bad
+
+
+def same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 32768, 32771, 70_001])
+def test_error_sums_are_the_bits_of_their_documented_order(fused, dtype, n):
+    """The vectorized error sums (four lanes in a vector register) give the very bits of the scalar order
+    they replace, at every length (the tail of a chunk padded with zeros), with non-finite references (left out:
+    a +0.0 in their lanes) and non-finite low-precision values (NaN and inf sums), at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(n)
+    ref = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    ref[::997] = float("inf")
+    ref[5::1013] = -0.0
+    p = (ref + 1e-3 * torch.randn(n, generator=g)).to(dtype)
+    if n > 10:
+        p[7::1999] = float("nan")
+        p[11::2003] = -float("inf")
+    ops = compiled.ops()
+    want_sums, want_max, want_ref_bad, want_bad = kernel_order_sums(ref, p)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            flags, sums = ops.error_sums(ref, p)
+            got = sums.tolist()
+            assert flags.tolist() == [want_ref_bad, want_bad]
+            assert all(same_float(a, b) for a, b in zip(got[:4], want_sums)), (threads, got, want_sums)
+            assert same_float(got[4], want_max)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 4095, 4097, 16383, 49_152, 65_537, 300_001])
+def test_histograms_of_every_split_and_tail_equal_bucketize(fused, n):
+    """range_stats cuts a tensor into one piece per thread (not 32768-element chunks) and each piece into blocks of
+    4096 with a 16-wide vector loop and a scalar tail: the counts equal torch.bucketize at sizes around every one
+    of those boundaries, at 1 and 2 threads, on values that include subnormals, zeros, infs and NaNs."""
+    x = hostile(torch.float32, n)[:n] if n < 20_000 else hostile(torch.float32, n)
+    e = stats.boundaries()
+    a = x.abs()
+    ok = torch.isfinite(a) & (a != 0)
+    want = torch.bincount(torch.bucketize(a[ok], e, right=True), minlength=e.numel() + 1).tolist()
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            counts, special, amax = compiled.ops().range_stats(x, e)
+            assert counts.tolist() == want, threads
+            assert special.tolist() == [int((a == 0).sum()), int(a.isnan().sum()), int(a.isinf().sum())]
+            assert amax == (float(a[ok].max()) if ok.any() else 0.0)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("edges", [
+    [1.0, 1.0 + 2 ** -23, 1.0 + 2 ** -22, 1.0 + 3 * 2 ** -23, 1.0 + 4 * 2 ** -23, 1.0 + 5 * 2 ** -23,
+     1.0 + 6 * 2 ** -23, 1.0 + 7 * 2 ** -23, 1.0 + 8 * 2 ** -23, 2.0],  # eight distinct lows: not the plane layout
+    [1.5 * 2.0 ** k for k in range(-120, 120, 7)] + [1.75, 1.875],  # edges at cell starts only
+], ids=["eight-lows", "cell-starts"])
+def test_bucket_counts_of_other_edge_lists_equal_bucketize(fused, edges):
+    """Edge lists beyond the plane layout's seven distinct positions inside a cell take the table or the binary
+    search; ones at cell starts only have no plane at all. Both against torch.bucketize."""
+    e = torch.tensor(sorted(set(edges)), dtype=torch.float32)
+    x = torch.cat([hostile(torch.float32, 50_000), e, -torch.nextafter(e, torch.zeros(1)),
+                   torch.nextafter(e, torch.full((1,), float("inf"))), 1.0 + torch.rand(5000) * 2 ** -20])
+    counts, _, _ = compiled.ops().range_stats(x, e)
+    a = x.abs()
+    ok = torch.isfinite(a) & (a != 0)
+    want = torch.bincount(torch.bucketize(a[ok], e, right=True), minlength=e.numel() + 1)
+    assert counts.tolist() == want.tolist()
