@@ -586,13 +586,24 @@ __attribute__((target("avx512f"))) void plane_block_avx512(const float* x, int64
   *cmax = std::max(*cmax, hi);
 }
 
+// False: the portable loops even on a CPU with AVX-512 (set_avx512: the tests run both on one machine).
+bool g_allow_avx512 = true;
+
 bool have_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
+  return yes && g_allow_avx512;
 }
 #else
+bool g_allow_avx512 = false;
 bool have_avx512() { return false; }
 #endif
+
+// Turns the AVX-512 loops off (or back on, where the CPU has them); returns whether they were on.
+bool set_avx512(bool on) {
+  const bool was = have_avx512();
+  g_allow_avx512 = on;
+  return was;
+}
 
 // Elements per block: its bucket indices (uint16) stay in L1 between the vectorized loop and the counting.
 constexpr int64_t kBlock = 4096;
@@ -967,4 +978,5 @@ TORCH_LIBRARY(precision_audit_emu, m) {
   m.def("range_stats(Tensor x, Tensor? edges) -> (Tensor, Tensor, float)", &range_stats);
   m.def("error_sums(Tensor ref, Tensor p) -> (Tensor, Tensor)", &error_sums);
   m.def("dot64(Tensor a, Tensor b) -> float", &dot64);
+  m.def("set_avx512(bool on) -> bool", &set_avx512);
 }

@@ -83,7 +83,7 @@ def test_the_automatic_build_said_so_in_one_line(built_kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_histogram_equals_a_brute_force_count(fused, dtype):
+def test_histogram_equals_a_brute_force_count(vector_path, dtype):
     x = hostile(dtype, 4000)
     h = MagnitudeHistogram()
     h.update(x)
@@ -97,7 +97,7 @@ def test_histogram_equals_a_brute_force_count(fused, dtype):
     [2.0 ** -140, 2.0 ** -130, 0.75, 1.5, 1.75, 3.0],                 # subnormal edges; no power of two in most binades
     [float(2 ** k) for k in range(-126, 128)] + [1.25, 1.2500001, 40.0],  # every binade, two edges in one cell
 ], ids=["three-in-a-cell", "sparse", "two-in-a-cell"])
-def test_bucket_counts_of_any_edge_list_equal_bucketize(fused, edges):
+def test_bucket_counts_of_any_edge_list_equal_bucketize(vector_path, edges):
     """range_stats' buckets against torch.bucketize(right=True), for edge lists its cell table holds (at most two
     edges inside a cell) and ones it does not (the binary search), over hostile values in every chunk layout."""
     e = torch.tensor(sorted(set(edges)), dtype=torch.float32)
@@ -125,7 +125,7 @@ def test_the_audits_edges_fit_the_cell_table():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_and_python_paths_agree_on_every_field(fused, dtype):
+def test_fused_and_python_paths_agree_on_every_field(vector_path, dtype):
     x = hostile(dtype)
     # non-contiguous and multi-chunk (the pass splits at 32768 elements) inputs too
     for t in (x, x.reshape(-1, 7)[:, ::2] if x.numel() % 7 == 0 else x[::3], x.repeat(5)):
@@ -149,7 +149,7 @@ def assert_paths_agree(fused_input: torch.Tensor, python_input: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_every_16_bit_pattern_reads_as_torch_converts_it(fused, dtype):
+def test_every_16_bit_pattern_reads_as_torch_converts_it(vector_path, dtype):
     """The kernels convert fp16 and bf16 with their own branch-free arithmetic: every one of the 65536 bit patterns
     (subnormals, zeros of both signs, infs, NaNs) gives the histogram, the range, the error sums and dot64 that
     torch's own conversion to float32 gives."""
@@ -441,8 +441,18 @@ def test_error_sums_are_the_bits_of_their_documented_order(fused, dtype, n):
         torch.set_num_threads(old)
 
 
+@pytest.fixture(params=[True, False], ids=["avx512", "portable"])
+def vector_path(fused, request):
+    """range_stats' AVX-512 loops (where the CPU has them) and the portable ones, on the same machine."""
+    was = compiled.ops().set_avx512(request.param)
+    if request.param and not was and not compiled.ops().set_avx512(True):
+        pytest.skip("this CPU has no AVX-512")
+    yield request.param
+    compiled.ops().set_avx512(True)
+
+
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 4095, 4097, 16383, 49_152, 65_537, 300_001])
-def test_histograms_of_every_split_and_tail_equal_bucketize(fused, n):
+def test_histograms_of_every_split_and_tail_equal_bucketize(vector_path, n):
     """range_stats cuts a tensor into one piece per thread (not 32768-element chunks) and each piece into blocks of
     4096 with a 16-wide vector loop and a scalar tail: the counts equal torch.bucketize at sizes around every one
     of those boundaries, at 1 and 2 threads, on values that include subnormals, zeros, infs and NaNs."""
@@ -468,7 +478,7 @@ def test_histograms_of_every_split_and_tail_equal_bucketize(fused, n):
      1.0 + 6 * 2 ** -23, 1.0 + 7 * 2 ** -23, 1.0 + 8 * 2 ** -23, 2.0],  # eight distinct lows: not the plane layout
     [1.5 * 2.0 ** k for k in range(-120, 120, 7)] + [1.75, 1.875],  # edges at cell starts only
 ], ids=["eight-lows", "cell-starts"])
-def test_bucket_counts_of_other_edge_lists_equal_bucketize(fused, edges):
+def test_bucket_counts_of_other_edge_lists_equal_bucketize(vector_path, edges):
     """Edge lists beyond the plane layout's seven distinct positions inside a cell take the table or the binary
     search; ones at cell starts only have no plane at all. Both against torch.bucketize."""
     e = torch.tensor(sorted(set(edges)), dtype=torch.float32)
