@@ -46,10 +46,10 @@ def main() -> None:
             relu = torch.relu(x)
             ref = torch.randn(n) * 0.05
             p = (ref + torch.randn(n) * 1e-3).to(dtype)
-            row = [_time(lambda: ops.range_stats(x, edges), args.repeats),
-                   _time(lambda: ops.range_stats(relu, edges), args.repeats),
-                   _time(lambda: ops.range_stats(x, None), args.repeats),
-                   _time(lambda: ops.error_sums(ref, p), args.repeats)]
+            row = [_time(lambda x=x: ops.range_stats(x, edges), args.repeats),
+                   _time(lambda r=relu: ops.range_stats(r, edges), args.repeats),
+                   _time(lambda x=x: ops.range_stats(x, None), args.repeats),
+                   _time(lambda r=ref, p=p: ops.error_sums(r, p), args.repeats)]
             ns = [t / n * 1e9 for t in row]
             print(f"{n:>9} {str(dtype).removeprefix('torch.'):>9} {ns[0]:>7.2f} {ns[1]:>9.2f} {ns[2]:>8.2f} "
                   f"{ns[3]:>7.2f}", flush=True)
