@@ -166,6 +166,21 @@ def nonfinite_where(x: torch.Tensor) -> torch.Tensor:
     return (row[nz] * bad.shape[1] + inner).sort().values
 
 
+def surely_finite(x: torch.Tensor) -> bool:
+    """True when no element of ``x`` (a strided floating-point tensor) is inf or NaN, False when one may be: the
+    fused range pass counts them exactly (one read, no sum); elsewhere a finite sum says none (an inf or NaN would
+    make it inf or NaN), and a sum that overflows says maybe, for the caller's exact count to decide."""
+    x = x.detach()
+    ops = _fused(x) if x.dtype != torch.float64 else None  # float64 beyond float32's range would read as inf
+    if ops is not None and x.layout == torch.strided:
+        if x.numel() == 0:
+            return True
+        _, special, _ = ops.range_stats(x, None)
+        _, nans, infs = special.tolist()
+        return nans + infs == 0
+    return bool(torch.isfinite(x.sum()))
+
+
 def count_nonfinite_pairs(bad: torch.Tensor, ref: torch.Tensor | None) -> tuple[int, int]:
     """(non-finite positions of ``bad`` where ``ref`` is finite, those where it is not), both from
     :func:`nonfinite_where` of the same parameter's gradients; all of ``bad`` when ``ref`` does not match it."""

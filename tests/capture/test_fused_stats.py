@@ -489,3 +489,23 @@ def test_bucket_counts_of_other_edge_lists_equal_bucketize(vector_path, edges):
     ok = torch.isfinite(a) & (a != 0)
     want = torch.bincount(torch.bucketize(a[ok], e, right=True), minlength=e.numel() + 1)
     assert counts.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_surely_finite_is_exact_on_the_fused_path(fused, dtype):
+    """format_pass's non-finite gradient check (stats.surely_finite): no inf or NaN -> True, one anywhere -> False,
+    on the fused path and the Python one; a finite tensor whose sum overflows is finite on the fused path (its
+    counts, exact) and "maybe" on the Python one (its sum; the caller counts exactly then)."""
+    big = torch.full((70_000,), torch.finfo(dtype).max / 2, dtype=dtype)
+    fused_counts = dtype != torch.float64  # float64 takes the sum (beyond float32's range it would read as inf)
+    for x, by_counts, by_sum in ((torch.randn(70_001).to(dtype), True, True), (torch.zeros(0, dtype=dtype), True, True),
+                                 (big, True, False)):
+        assert stats.surely_finite(x) is (by_counts if fused_counts else by_sum)
+        with python_statistics():
+            assert stats.surely_finite(x) is by_sum
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(70_001).to(dtype)
+        x[66_666] = bad
+        assert stats.surely_finite(x) is False
+        with python_statistics():
+            assert stats.surely_finite(x) is False
