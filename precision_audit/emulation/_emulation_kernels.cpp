@@ -41,6 +41,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -840,10 +841,29 @@ PA_INLINE v4d load4(const T* x) {
   return v4d{to_double(x[0]), to_double(x[1]), to_double(x[2]), to_double(x[3])};
 }
 
-// One chunk (at most 32768 elements: from a multiple of four) into its five figures and two counts.
-template <typename R, typename P>
-PA_INLINE void error_chunk_impl(const R* r, const P* p, int64_t n, double* sums, int64_t* flags) {
-  ErrorLanes e;
+// The same lanes without the masks, for a chunk whose elements are all finite: the sums and the largest |d| only.
+// Whether they were is known afterwards from the sums themselves: an inf or NaN in the reference makes s_r2 inf or
+// NaN, one in the low-precision values s_p2 (sums of squares cannot cancel), and finite float32/fp16/bf16 values
+// cannot overflow a double sum of 32768 squares; a float64 pair that does (or any non-finite sum) is summed again
+// by ErrorLanes, which then gives what it always gave. Where every element is finite the masks change nothing, so
+// both loops give the same bits.
+struct FiniteLanes {
+  v4d s_r2 = {0, 0, 0, 0}, s_d2 = {0, 0, 0, 0}, s_dot = {0, 0, 0, 0}, s_p2 = {0, 0, 0, 0}, mx = {0, 0, 0, 0};
+
+  PA_INLINE void add(v4d rv, v4d qv) {
+    const v4d d = qv - rv;
+    s_r2 += rv * rv;
+    s_d2 += d * d;
+    s_dot += rv * qv;
+    s_p2 += qv * qv;
+    const v4d ad = (v4d)((v4l)d & INT64_MAX);
+    const v4l more = ad > mx;
+    mx = (v4d)(((v4l)ad & more) | ((v4l)mx & ~more));
+  }
+};
+
+template <typename Lanes, typename R, typename P>
+PA_INLINE void add_span(Lanes& e, const R* r, const P* p, int64_t n) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) e.add(load4(r + i), load4(p + i));
   if (i < n) {  // the last elements in their lanes, the rest zeros (they add +0.0)
@@ -855,11 +875,45 @@ PA_INLINE void error_chunk_impl(const R* r, const P* p, int64_t n, double* sums,
     }
     e.add(load4(rt), load4(pt));
   }
-  // the lanes added left to right, as s[0] + s[1] + s[2] + s[3]
-  sums[0] = e.s_r2[0] + e.s_r2[1] + e.s_r2[2] + e.s_r2[3];
-  sums[1] = e.s_d2[0] + e.s_d2[1] + e.s_d2[2] + e.s_d2[3];
-  sums[2] = e.s_dot[0] + e.s_dot[1] + e.s_dot[2] + e.s_dot[3];
-  sums[3] = e.s_p2[0] + e.s_p2[1] + e.s_p2[2] + e.s_p2[3];
+}
+
+// fp16 values are widened a block at a time first (its conversion vectorizes in a loop of its own, not four at a
+// time); the blocks are multiples of four, so every element keeps its lane.
+template <typename Lanes, typename R, typename P>
+PA_INLINE void add_chunk(Lanes& e, const R* r, const P* p, int64_t n) {
+  if constexpr (std::is_same_v<P, c10::Half>) {
+    constexpr int64_t kSpan = 2048;
+    float buf[kSpan];
+    for (int64_t b = 0; b < n; b += kSpan) {
+      const int64_t m = std::min(kSpan, n - b);
+      float_block_impl(p + b, m, buf);
+      add_span(e, r + b, buf, m);
+    }
+  } else {
+    add_span(e, r, p, n);
+  }
+}
+
+PA_INLINE double lane_sum(v4d s) { return s[0] + s[1] + s[2] + s[3]; }  // left to right, as s[0] + ... + s[3]
+
+// One chunk (at most 32768 elements: from a multiple of four) into its five figures and two counts.
+template <typename R, typename P>
+PA_INLINE void error_chunk_impl(const R* r, const P* p, int64_t n, double* sums, int64_t* flags) {
+  FiniteLanes f;
+  add_chunk(f, r, p, n);
+  const double fs[4] = {lane_sum(f.s_r2), lane_sum(f.s_d2), lane_sum(f.s_dot), lane_sum(f.s_p2)};
+  if (std::isfinite(fs[0]) && std::isfinite(fs[1]) && std::isfinite(fs[2]) && std::isfinite(fs[3])) {
+    std::copy(fs, fs + 4, sums);
+    sums[4] = std::max(std::max(f.mx[0], f.mx[1]), std::max(f.mx[2], f.mx[3]));
+    flags[0] = flags[1] = 0;
+    return;
+  }
+  ErrorLanes e;
+  add_chunk(e, r, p, n);
+  sums[0] = lane_sum(e.s_r2);
+  sums[1] = lane_sum(e.s_d2);
+  sums[2] = lane_sum(e.s_dot);
+  sums[3] = lane_sum(e.s_p2);
   const bool any_nan = e.nan[0] | e.nan[1] | e.nan[2] | e.nan[3];
   sums[4] = any_nan ? std::numeric_limits<double>::quiet_NaN()
                     : std::max(std::max(e.mx[0], e.mx[1]), std::max(e.mx[2], e.mx[3]));
