@@ -414,16 +414,18 @@ def same_float(a: float, b: float) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 3, 4, 7, 32768, 32771, 70_001])
-def test_error_sums_are_the_bits_of_their_documented_order(fused, dtype, n):
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nonfinite"])
+def test_error_sums_are_the_bits_of_their_documented_order(fused, dtype, n, nonfinite):
     """The vectorized error sums (four lanes in a vector register) give the very bits of the scalar order
-    they replace, at every length (the tail of a chunk padded with zeros), with non-finite references (left out:
-    a +0.0 in their lanes) and non-finite low-precision values (NaN and inf sums), at 1 and 2 threads."""
+    they replace, at every length (the tail of a chunk padded with zeros), on all-finite chunks (summed without
+    masks) and with non-finite references (left out: a +0.0 in their lanes) and non-finite low-precision values
+    (NaN and inf sums), at 1 and 2 threads."""
     g = torch.Generator().manual_seed(n)
     ref = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
-    ref[::997] = float("inf")
     ref[5::1013] = -0.0
     p = (ref + 1e-3 * torch.randn(n, generator=g)).to(dtype)
-    if n > 10:
+    if nonfinite:
+        ref[::997] = float("inf")
         p[7::1999] = float("nan")
         p[11::2003] = -float("inf")
     ops = compiled.ops()
@@ -509,3 +511,45 @@ def test_surely_finite_is_exact_on_the_fused_path(fused, dtype):
         assert stats.surely_finite(x) is False
         with python_statistics():
             assert stats.surely_finite(x) is False
+
+
+def test_float64_error_sums_that_overflow_are_summed_with_the_masks(fused):
+    """A float64 pair whose squares overflow a double: the unmasked pass's sums are not finite, so the chunk is
+    summed again with the masks, which gives the inf sums (and the counts) the documented order gives."""
+    ref = torch.tensor([1e200, 1.0, -3.0, float("inf"), 2e-300], dtype=torch.float64)
+    p = torch.tensor([-1e200, 1.5, float("nan"), 1.0, 0.0], dtype=torch.float64)
+    flags, sums = compiled.ops().error_sums(ref, p)
+    want_sums, want_max, ref_bad, bad = kernel_order_sums(ref, p)
+    assert flags.tolist() == [ref_bad, bad] == [1, 1]
+    assert all(same_float(a, b) for a, b in zip(sums.tolist()[:4], want_sums)) and math.isinf(want_sums[0])
+    assert same_float(sums.tolist()[4], want_max)
+
+
+def test_the_order_test_tells_orders_apart(fused):
+    """The documented order is checked on data where other orders give other bits: a sequential sum, or the lanes
+    added pairwise ((s0 + s1) + (s2 + s3)) differ from it in at least one sum of these single chunks, and the
+    kernel still gives the documented bits."""
+    seen_other = set()
+    for seed in (0, 1, 2):
+        g = torch.Generator().manual_seed(seed)
+        ref = torch.randn(32_771, generator=g)
+        p = ref + 1e-3 * torch.randn(ref.shape, generator=g)
+        want, _, _, _ = kernel_order_sums(ref, p)
+        _, sums = compiled.ops().error_sums(ref, p)
+        assert sums.tolist()[:4] == want
+        r, q = ref.double().tolist(), p.double().tolist()
+        lanes = [[0.0] * 4 for _ in range(4)]
+        seq = [0.0] * 4
+        for i, (rv, qv) in enumerate(zip(r, q)):
+            d = qv - rv
+            terms = (rv * rv, d * d, rv * qv, qv * qv)
+            for k, t in enumerate(terms):
+                lanes[k][i % 4] += t
+                seq[k] += t
+        for k in range(4):
+            s = lanes[k]
+            if (s[0] + s[1]) + (s[2] + s[3]) != want[k]:
+                seen_other.add("pairwise")
+            if seq[k] != want[k]:
+                seen_other.add("sequential")
+    assert seen_other == {"pairwise", "sequential"}
