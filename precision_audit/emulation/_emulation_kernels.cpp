@@ -648,10 +648,15 @@ struct PlaneLanes {
   }
 };
 
+PlaneLanes& plane_lanes() {
+  thread_local PlaneLanes pl;  // one per thread for every element type (the same bins)
+  return pl;
+}
+
 template <typename T>
 void piece_planes(const T* x, int64_t lo, int64_t hi, const CellTable& table, std::vector<int64_t>& out,
                   ChunkCounts& cc) {
-  thread_local PlaneLanes pl;
+  PlaneLanes& pl = plane_lanes();
   uint32_t* l0 = pl.lanes.data();
   uint32_t* l1 = l0 + PlaneLanes::kBins;
   uint32_t* l2 = l1 + PlaneLanes::kBins;
@@ -819,19 +824,19 @@ struct ErrorLanes {
   v4l nan = {0, 0, 0, 0}, ref_bad = {0, 0, 0, 0}, bad = {0, 0, 0, 0};
 
   PA_INLINE void add(v4d rv, v4d qv) {
-    const v4l ok_r = (rv - rv) == 0;  // all ones where the reference is finite (inf - inf and NaN are NaN)
+    const v4l ok_r = (v4l)((rv - rv) == 0);  // all ones where the reference is finite (inf - inf, NaN: NaN)
     ref_bad += ~ok_r & 1;
     rv = (v4d)((v4l)rv & ok_r);
     qv = (v4d)((v4l)qv & ok_r);
-    bad += ~((qv - qv) == 0) & 1;
+    bad += ~(v4l)((qv - qv) == 0) & 1;
     const v4d d = qv - rv;
     s_r2 += rv * rv;
     s_d2 += d * d;
     s_dot += rv * qv;
     s_p2 += qv * qv;
     const v4d ad = (v4d)((v4l)d & INT64_MAX);
-    nan |= ad != ad;
-    const v4l more = ad > mx;  // false for NaN: the maximum of the others, as the scalar loop kept it
+    nan |= (v4l)(ad != ad);
+    const v4l more = (v4l)(ad > mx);  // false for NaN: the maximum of the others, as the scalar loop kept it
     mx = (v4d)(((v4l)ad & more) | ((v4l)mx & ~more));
   }
 };
@@ -857,7 +862,7 @@ struct FiniteLanes {
     s_dot += rv * qv;
     s_p2 += qv * qv;
     const v4d ad = (v4d)((v4l)d & INT64_MAX);
-    const v4l more = ad > mx;
+    const v4l more = (v4l)(ad > mx);
     mx = (v4d)(((v4l)ad & more) | ((v4l)mx & ~more));
   }
 };
