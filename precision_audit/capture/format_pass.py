@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from typing import Any
 
@@ -28,7 +29,29 @@ from .reference_pass import BatchCall
 from .reference_store import Kept
 from .session_state import SessionState
 from .shards import owned_part
-from .stats import ErrorStats, count_nonfinite_pairs, nonfinite_where, stored_values
+from .stats import ErrorStats, count_nonfinite_pairs, nonfinite_where, stored_values, surely_finite
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def copy_stats(fs: FormatLayerStats) -> FormatLayerStats:
+    """``copy.deepcopy(fs)``, at a fraction of its cost (it ran for every module before every format pass): the
+    record's scalar fields as they are, its sets of strings and its records of scalars (ErrorStats, RangeSummary)
+    copied one level; anything else (a field added later) deep-copied."""
+    out = copy.copy(fs)
+    for f in dataclasses.fields(fs):
+        v = getattr(fs, f.name)
+        if isinstance(v, _SCALARS):
+            continue
+        if isinstance(v, set) and all(isinstance(e, str) for e in v):
+            setattr(out, f.name, set(v))
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type) and \
+                all(isinstance(getattr(v, g.name), _SCALARS) for g in dataclasses.fields(v)) and \
+                set(vars(v)) == {g.name for g in dataclasses.fields(v)}:
+            setattr(out, f.name, copy.copy(v))
+        else:
+            setattr(out, f.name, copy.deepcopy(v))
+    return out
 
 
 class FormatPasses(SessionState):
@@ -44,7 +67,7 @@ class FormatPasses(SessionState):
 
     def _format_pass(self, fmt: Format, loss_scale: float) -> RunRecord:
         if fmt not in self.state.after_reference:  # the reference pass's figures, for forget_format_pass
-            self.state.after_reference[fmt] = {mid: copy.deepcopy(rec.formats[fmt])
+            self.state.after_reference[fmt] = {mid: copy_stats(rec.formats[fmt])
                                                for mid, rec in self.layers.items() if fmt in rec.formats}
         self._reset()
         self.state.phase = fmt
@@ -122,11 +145,11 @@ class FormatPasses(SessionState):
     def _grad_nonfinite(self, p: torch.Tensor, grad: torch.Tensor) -> tuple[int, int]:
         """(non-finite elements of ``p``'s gradient where FP32's is finite, those where FP32's is not finite too)."""
         g = owned_part(grad).detach()
-        # A finite sum means no inf or NaN anywhere (either would make it inf or NaN): one read of the gradient,
-        # no mask, for the common case; a sum that overflows only takes the exact path below. A sparse gradient:
+        # One read of the gradient, no mask, for the common case (stats.surely_finite: the fused pass's counts on
+        # the CPU, else a finite sum); a sum that overflows only takes the exact path below. A sparse gradient:
         # its stored values (the rest are zeros).
         values = stored_values(g)
-        if values.is_floating_point() and bool(torch.isfinite(values.sum())):
+        if values.is_floating_point() and surely_finite(values):
             return 0, 0
         return count_nonfinite_pairs(nonfinite_where(g), self.state.ref_grad_nonfinite.get(id(p)))
 

@@ -83,7 +83,7 @@ def test_the_automatic_build_said_so_in_one_line(built_kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_histogram_equals_a_brute_force_count(fused, dtype):
+def test_histogram_equals_a_brute_force_count(vector_path, dtype):
     x = hostile(dtype, 4000)
     h = MagnitudeHistogram()
     h.update(x)
@@ -97,7 +97,7 @@ def test_histogram_equals_a_brute_force_count(fused, dtype):
     [2.0 ** -140, 2.0 ** -130, 0.75, 1.5, 1.75, 3.0],                 # subnormal edges; no power of two in most binades
     [float(2 ** k) for k in range(-126, 128)] + [1.25, 1.2500001, 40.0],  # every binade, two edges in one cell
 ], ids=["three-in-a-cell", "sparse", "two-in-a-cell"])
-def test_bucket_counts_of_any_edge_list_equal_bucketize(fused, edges):
+def test_bucket_counts_of_any_edge_list_equal_bucketize(vector_path, edges):
     """range_stats' buckets against torch.bucketize(right=True), for edge lists its cell table holds (at most two
     edges inside a cell) and ones it does not (the binary search), over hostile values in every chunk layout."""
     e = torch.tensor(sorted(set(edges)), dtype=torch.float32)
@@ -125,7 +125,7 @@ def test_the_audits_edges_fit_the_cell_table():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_and_python_paths_agree_on_every_field(fused, dtype):
+def test_fused_and_python_paths_agree_on_every_field(vector_path, dtype):
     x = hostile(dtype)
     # non-contiguous and multi-chunk (the pass splits at 32768 elements) inputs too
     for t in (x, x.reshape(-1, 7)[:, ::2] if x.numel() % 7 == 0 else x[::3], x.repeat(5)):
@@ -149,7 +149,7 @@ def assert_paths_agree(fused_input: torch.Tensor, python_input: torch.Tensor) ->
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_every_16_bit_pattern_reads_as_torch_converts_it(fused, dtype):
+def test_every_16_bit_pattern_reads_as_torch_converts_it(vector_path, dtype):
     """The kernels convert fp16 and bf16 with their own branch-free arithmetic: every one of the 65536 bit patterns
     (subnormals, zeros of both signs, infs, NaNs) gives the histogram, the range, the error sums and dot64 that
     torch's own conversion to float32 gives."""
@@ -372,3 +372,184 @@ def test_dot64_propagates_non_finite_products_as_the_float64_expression(fused):
             want = stats.dot64(a, b.bfloat16())
         got = stats.dot64(a, b.bfloat16())
         assert (math.isnan(got) and math.isnan(want)) or got == want, (b, got, want)
+
+
+# -- the kernels' own orders and layouts (docs/performance.md, "Statistics: one read per tensor") ------------------
+
+
+def kernel_order_sums(ref: torch.Tensor, p: torch.Tensor) -> tuple[list[float], float, int, int]:
+    """error_sums' figures re-added in Python in the order the kernel promises: per 32768-element chunk, element
+    lo + 4k + l into lane l (products of the float32/float64 values in double), the four lanes added left to right,
+    the chunks in order from 0.0; elements whose reference is not finite left out. (sums, max_abs, ref_bad, bad)."""
+    r = ref.double().tolist()
+    q = p.double().tolist()
+    total = [0.0, 0.0, 0.0, 0.0]
+    most, nan, ref_bad, bad = 0.0, False, 0, 0
+    for lo in range(0, len(r), 1 << 15):
+        lanes = [[0.0] * 4 for _ in range(4)]
+        for i in range(lo, min(len(r), lo + (1 << 15))):
+            rv, qv = r[i], q[i]
+            if not math.isfinite(rv):
+                ref_bad += 1
+                continue
+            bad += not math.isfinite(qv)
+            d = qv - rv
+            lane = (i - lo) % 4
+            lanes[0][lane] += rv * rv
+            lanes[1][lane] += d * d
+            lanes[2][lane] += rv * qv
+            lanes[3][lane] += qv * qv
+            if math.isnan(d):
+                nan = True
+            else:
+                most = max(most, abs(d))
+        for k in range(4):
+            total[k] += ((lanes[k][0] + lanes[k][1]) + lanes[k][2]) + lanes[k][3]
+    return total, (math.nan if nan else most), ref_bad, bad
+
+
+def same_float(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 32768, 32771, 70_001])
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "nonfinite"])
+def test_error_sums_are_the_bits_of_their_documented_order(fused, dtype, n, nonfinite):
+    """The vectorized error sums (four lanes in a vector register) give the very bits of the scalar order
+    they replace, at every length (the tail of a chunk padded with zeros), on all-finite chunks (summed without
+    masks) and with non-finite references (left out: a +0.0 in their lanes) and non-finite low-precision values
+    (NaN and inf sums), at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(n)
+    ref = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 20, (n,), generator=g).float())
+    ref[5::1013] = -0.0
+    p = (ref + 1e-3 * torch.randn(n, generator=g)).to(dtype)
+    if nonfinite:
+        ref[::997] = float("inf")
+        p[7::1999] = float("nan")
+        p[11::2003] = -float("inf")
+    ops = compiled.ops()
+    want_sums, want_max, want_ref_bad, want_bad = kernel_order_sums(ref, p)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            flags, sums = ops.error_sums(ref, p)
+            got = sums.tolist()
+            assert flags.tolist() == [want_ref_bad, want_bad]
+            assert all(same_float(a, b) for a, b in zip(got[:4], want_sums)), (threads, got, want_sums)
+            assert same_float(got[4], want_max)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture(params=[True, False], ids=["avx512", "portable"])
+def vector_path(fused, request):
+    """range_stats' AVX-512 loops (where the CPU has them) and the portable ones, on the same machine."""
+    was = compiled.ops().set_avx512(request.param)
+    if request.param and not was and not compiled.ops().set_avx512(True):
+        pytest.skip("this CPU has no AVX-512")
+    yield request.param
+    compiled.ops().set_avx512(True)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 4095, 4097, 16383, 49_152, 65_537, 300_001])
+def test_histograms_of_every_split_and_tail_equal_bucketize(vector_path, n):
+    """range_stats cuts a tensor into one piece per thread (not 32768-element chunks) and each piece into blocks of
+    4096 with a 16-wide vector loop and a scalar tail: the counts equal torch.bucketize at sizes around every one
+    of those boundaries, at 1 and 2 threads, on values that include subnormals, zeros, infs and NaNs."""
+    x = hostile(torch.float32, n)[:n] if n < 20_000 else hostile(torch.float32, n)
+    e = stats.boundaries()
+    a = x.abs()
+    ok = torch.isfinite(a) & (a != 0)
+    want = torch.bincount(torch.bucketize(a[ok], e, right=True), minlength=e.numel() + 1).tolist()
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            counts, special, amax = compiled.ops().range_stats(x, e)
+            assert counts.tolist() == want, threads
+            assert special.tolist() == [int((a == 0).sum()), int(a.isnan().sum()), int(a.isinf().sum())]
+            assert amax == (float(a[ok].max()) if ok.any() else 0.0)
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("edges", [
+    [1.0, 1.0 + 2 ** -23, 1.0 + 2 ** -22, 1.0 + 3 * 2 ** -23, 1.0 + 4 * 2 ** -23, 1.0 + 5 * 2 ** -23,
+     1.0 + 6 * 2 ** -23, 1.0 + 7 * 2 ** -23, 1.0 + 8 * 2 ** -23, 2.0],  # eight distinct lows: not the plane layout
+    [1.5 * 2.0 ** k for k in range(-120, 120, 7)] + [1.75, 1.875],  # edges at cell starts only
+], ids=["eight-lows", "cell-starts"])
+def test_bucket_counts_of_other_edge_lists_equal_bucketize(vector_path, edges):
+    """Edge lists beyond the plane layout's seven distinct positions inside a cell take the table or the binary
+    search; ones at cell starts only have no plane at all. Both against torch.bucketize."""
+    e = torch.tensor(sorted(set(edges)), dtype=torch.float32)
+    x = torch.cat([hostile(torch.float32, 50_000), e, -torch.nextafter(e, torch.zeros(1)),
+                   torch.nextafter(e, torch.full((1,), float("inf"))), 1.0 + torch.rand(5000) * 2 ** -20])
+    counts, _, _ = compiled.ops().range_stats(x, e)
+    a = x.abs()
+    ok = torch.isfinite(a) & (a != 0)
+    want = torch.bincount(torch.bucketize(a[ok], e, right=True), minlength=e.numel() + 1)
+    assert counts.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_surely_finite_is_exact_on_the_fused_path(fused, dtype):
+    """format_pass's non-finite gradient check (stats.surely_finite): no inf or NaN -> True, one anywhere -> False,
+    on the fused path and the Python one; a finite tensor whose sum overflows is finite on the fused path (its
+    counts, exact) and "maybe" on the Python one (its sum; the caller counts exactly then)."""
+    big = torch.full((70_000,), torch.finfo(dtype).max / 2, dtype=dtype)
+    fused_counts = dtype != torch.float64  # float64 takes the sum (beyond float32's range it would read as inf)
+    for x, by_counts, by_sum in ((torch.randn(70_001).to(dtype), True, True), (torch.zeros(0, dtype=dtype), True, True),
+                                 (big, True, False)):
+        assert stats.surely_finite(x) is (by_counts if fused_counts else by_sum)
+        with python_statistics():
+            assert stats.surely_finite(x) is by_sum
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = torch.randn(70_001).to(dtype)
+        x[66_666] = bad
+        assert stats.surely_finite(x) is False
+        with python_statistics():
+            assert stats.surely_finite(x) is False
+
+
+def test_float64_error_sums_that_overflow_are_summed_with_the_masks(fused):
+    """A float64 pair whose squares overflow a double: the unmasked pass's sums are not finite, so the chunk is
+    summed again with the masks, which gives the inf sums (and the counts) the documented order gives."""
+    ref = torch.tensor([1e200, 1.0, -3.0, float("inf"), 2e-300], dtype=torch.float64)
+    p = torch.tensor([-1e200, 1.5, float("nan"), 1.0, 0.0], dtype=torch.float64)
+    flags, sums = compiled.ops().error_sums(ref, p)
+    want_sums, want_max, ref_bad, bad = kernel_order_sums(ref, p)
+    assert flags.tolist() == [ref_bad, bad] == [1, 1]
+    assert all(same_float(a, b) for a, b in zip(sums.tolist()[:4], want_sums)) and math.isinf(want_sums[0])
+    assert same_float(sums.tolist()[4], want_max)
+
+
+def test_the_order_test_tells_orders_apart(fused):
+    """The documented order is checked on data where other orders give other bits: a sequential sum, or the lanes
+    added pairwise ((s0 + s1) + (s2 + s3)) differ from it in at least one sum of these single chunks, and the
+    kernel still gives the documented bits."""
+    seen_other = set()
+    for seed in (0, 1, 2):
+        g = torch.Generator().manual_seed(seed)
+        ref = torch.randn(32_771, generator=g)
+        p = ref + 1e-3 * torch.randn(ref.shape, generator=g)
+        want, _, _, _ = kernel_order_sums(ref, p)
+        _, sums = compiled.ops().error_sums(ref, p)
+        assert sums.tolist()[:4] == want
+        r, q = ref.double().tolist(), p.double().tolist()
+        lanes = [[0.0] * 4 for _ in range(4)]
+        seq = [0.0] * 4
+        for i, (rv, qv) in enumerate(zip(r, q)):
+            d = qv - rv
+            terms = (rv * rv, d * d, rv * qv, qv * qv)
+            for k, t in enumerate(terms):
+                lanes[k][i % 4] += t
+                seq[k] += t
+        for k in range(4):
+            s = lanes[k]
+            if (s[0] + s[1]) + (s[2] + s[3]) != want[k]:
+                seen_other.add("pairwise")
+            if seq[k] != want[k]:
+                seen_other.add("sequential")
+    assert seen_other == {"pairwise", "sequential"}

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from precision_audit.capture import stats
 from precision_audit.capture.stats import SCALE_EXPONENTS, ErrorStats, MagnitudeHistogram
 from precision_audit.errors import OptionError
 from precision_audit.formats import SPECS, Format, headroom_bits, parse_format
@@ -141,3 +142,40 @@ def test_limits_come_from_torch_finfo(fmt):
     # the smallest subnormal really is representable, and half of it flushes to zero
     assert torch.tensor(s.min_subnormal).to(s.dtype).float().item() == s.min_subnormal
     assert torch.tensor(s.min_subnormal / 2).to(s.dtype).float().item() == 0.0
+
+
+def test_threshold_counts_follow_every_change_of_the_counts():
+    """count_below / fractions read running sums kept between calls (capture/stats.py, _cumulative): they must
+    follow an update, a merge, an in-place write (a collective's result copied back) and a new counts tensor,
+    always equal to a fresh sum over the counts."""
+    h = MagnitudeHistogram()
+    h.update(torch.tensor([1e-9, 3.0, 70000.0, 1e-3]))
+
+    def fresh(t: float) -> int:
+        return int(h.counts[: stats._edge_index()[t] + 1].sum())
+
+    edges = [stats._as_edge(v) for v in (2.0 ** -30, 2.0 ** -24, 1.0, 65520.0)]
+    for change in (lambda: h.update(torch.tensor([0.5, 0.25])),
+                   lambda: h.merge(h.__class__(counts=h.counts.clone())),
+                   lambda: h.counts.copy_(h.counts * 3),
+                   lambda: setattr(h, "counts", torch.ones_like(h.counts))):
+        before = [h.count_below(t) for t in edges]
+        assert before == [fresh(t) for t in edges]
+        change()
+        after = [h.count_below(t) for t in edges]
+        assert after == [fresh(t) for t in edges] and after != before
+        assert h.nonzero_finite == int(h.counts.sum())
+        f = h.fractions(Format.FP16)
+        assert f["overflow"] == (h.nonzero_finite - fresh(stats._as_edge(65520.0))) / h.nonzero_finite
+
+
+def test_exponent_histogram_sums_each_binade():
+    h = MagnitudeHistogram()
+    x = torch.tensor([1.0, 1.5, 1.9999, 65504.0, 65519.0, 65520.0, 3e-39, 0.75, 0.0, float("nan")])
+    h.update(x)
+    want: dict[int, int] = {}
+    for v in x.tolist():
+        if v and math.isfinite(v):
+            e = math.floor(math.log2(abs(v))) if abs(v) >= 2.0 ** -149 else -150
+            want[e] = want.get(e, 0) + 1
+    assert h.exponent_histogram() == want
