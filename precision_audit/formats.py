@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ class FormatSpec:
         return mid if max_mantissa_odd else _next_up(mid)
 
 
+@functools.lru_cache(maxsize=64)  # a few thresholds, read per module and format by the analysis (two tensors each)
 def _next_up(x: float) -> float:
     """The next float32 above x (x must be exactly representable in float32)."""
     import torch
