@@ -5,7 +5,8 @@ call it streams the output's magnitude histogram, keeps an FP32 clone of the out
 compare against, and re-runs the module alone in each format on its exact FP32 inputs (same RNG state, same
 random draws, buffers swapped for copies) for its *local* error; the difference y_p - y is kept in bf16 until
 the backward gives dL/dy, for the first-order loss impact <dL/dy, y_p - y>. Containers whose own work is only
-additions are not re-run (docs/memory.md, "Local re-runs"). The backward gives dL/dy and dL/dW histograms.
+additions are not re-run, and a parent's re-run takes its children's re-run outputs where the call is the same
+(capture/rerun_reuse.py; docs/memory.md, "Local re-runs"). The backward gives dL/dy and dL/dW histograms.
 
 :class:`ReferencePass` is a part of :class:`~precision_audit.capture.session.CaptureSession` (it shares the
 session's per-pass state); it holds no state of its own.
