@@ -8,6 +8,7 @@ by hand from the passes; the figures must be the same bits as with the reuse off
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from fakecuda import FakeCuda
 from precision_audit.capture import CaptureConfig, CaptureSession
 from precision_audit.capture.rerun_reuse import ChildReruns
 from precision_audit.formats import Format
@@ -57,10 +59,11 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.attn(self.inp(x))))
 
 
-def run(model: nn.Module, x: torch.Tensor, reuse: bool, monkeypatch) -> tuple[list, list[str]]:
+def run(model: nn.Module, x: torch.Tensor, reuse: bool, monkeypatch, cuda: bool = False) -> tuple[list, list[str]]:
     monkeypatch.setattr(ChildReruns, "enabled", reuse)
     Counting.runs = []
-    with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), CaptureConfig(FORMATS)) as s:
+    config = CaptureConfig(FORMATS, device="cuda", mode="cuda") if cuda else CaptureConfig(FORMATS)
+    with CaptureSession(model, lambda m: m(x), lambda y: y.pow(2).mean(), config) as s:
         s.reference_run()
         for f in FORMATS:
             s.format_run(f)
@@ -110,10 +113,11 @@ class Busy(nn.Module):
         h = self.a(x)  # reusable
         h.mul_(0.5)  # the parent changes the child's output in place (in its re-run: the kept output)
         g = self.a(torch.relu(h))  # the same child on a computed tensor: computed again
-        t = self.b(x * 2)  # the input transformed first: computed again
+        t = self.b(x * 2)  # the input transformed first: computed again (at b-on-x's random state, before it)
+        u = self.b(x)  # reusable
         n = self.noisy(x)  # draws random numbers: computed again
-        # b on x: reusable; the dropout after noisy's call draws what follows noisy's draws
-        return torch.nn.functional.dropout(self.c(g + t + n), 0.2, self.training) + self.b(x)
+        # the dropout after noisy's call draws what follows noisy's draws
+        return torch.nn.functional.dropout(self.c(g + t + n), 0.2, self.training) + u
 
 
 class Noisy(nn.Module):
@@ -134,13 +138,31 @@ class BusyNet(nn.Module):
         return self.head(self.busy(self.inp(x)))
 
 
-@pytest.mark.parametrize("model_cls", [Net, BusyNet], ids=["attention", "busy"])
-def test_the_figures_are_the_same_bits_with_and_without_reuse(model_cls, monkeypatch):
+class CheckpointedAttention(Attention):  # as Hugging Face's gradient checkpointing asks (reentrant; the audit's is not)
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
+
+
+class CheckpointedNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = CheckpointedAttention()
+
+
+@pytest.mark.parametrize(("model_cls", "cuda"), [(Net, False), (BusyNet, False), (CheckpointedNet, False),
+                                                 (BusyNet, True)],
+                         ids=["attention", "busy", "checkpointed", "busy-cuda-mode"])
+def test_the_figures_are_the_same_bits_with_and_without_reuse(model_cls, cuda, monkeypatch):
     torch.manual_seed(0)
     model, x = model_cls().train(), torch.randn(2, 8, 16)
-    off, runs_off = run(model, x, False, monkeypatch)
-    on, runs_on = run(model, x, True, monkeypatch)
+    with FakeCuda(cuda_dropout=True) if cuda else contextlib.nullcontext():
+        if cuda:  # the model's dropout draws replayed from the FP32 pass's (capture/rng_replay.py)
+            model, x = model.to("cuda"), x.to("cuda")
+        off, runs_off = run(model, x, False, monkeypatch, cuda)
+        on, runs_on = run(model, x, True, monkeypatch, cuda)
     assert _figures(on) == _figures(off)
+    if model_cls is CheckpointedNet:  # inside the checkpointed segment of the attention's re-run, as without it
+        assert sorted(runs_off) == sorted(runs_on + ["q", "k", "v"] * 2), (runs_off, runs_on)
     if model_cls is BusyNet:
         # per format: inside busy's re-run a on x and b on x are taken, a on relu(h), b on 2x, noisy (it draws) and
         # c computed; inside noisy's own re-run, fc (on noisy's input, drawing nothing itself) is taken
