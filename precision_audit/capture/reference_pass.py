@@ -321,9 +321,9 @@ class ReferencePass(SessionState):
         pre_rng, snapshot, draw_start = pre.rng, pre.snapshot, pre.draw_start
         self.calls.rerunning = True
         now = self._rng_state()
-        mine = self._child_call(m, args, kwargs, pre, now)
         buffer_names = [n for n, _ in m.named_buffers()]
         attributes = module_attributes(m)  # after the call: what the re-runs leave the module as
+        mine = self._child_call(m, args, kwargs, pre, now, attributes)
         try:
             for fmt in self.config.formats:
                 put_attributes_back(pre.attributes)  # before the call: what each re-run starts from
@@ -378,16 +378,16 @@ class ReferencePass(SessionState):
             self.state.child_reruns.add((self.calls.stack[-1], len(self.calls.stack) - 1), mine)
         return diffs
 
-    def _child_call(self, m, args, kwargs, pre: PreCall, after: RngState) -> ChildCall | None:
+    def _child_call(self, m, args, kwargs, pre: PreCall, after: RngState, attributes) -> ChildCall | None:
         """This call's record for its parent's re-runs (capture/rerun_reuse.py), or None where they cannot take its
         outputs: no parent that is re-run (the model itself), objects among its arguments, its FP32 call drew
-        random numbers (``after``: the state after it)."""
+        random numbers (``after``: the state after it; ``attributes``: the modules' after it)."""
         stack = self.calls.stack
         if (not ChildReruns.enabled or not stack or stack[-1] in (id(m), id(self.model)) or pre.snapshot is not None
                 or pre.copied or not _same_rng(pre.rng, after)):
             return None
         parent: PreCall = self._pre_rng[-1]
-        return child_call(m, args, kwargs, pre.rng, pre.attributes, parent.tensors,
+        return child_call(m, args, kwargs, pre.rng, pre.attributes, attributes, parent.tensors,
                           parent.user_region == pre.user_region, lambda h: getattr(h, "__self__", None) is self)
 
     def _same_child_state(self, call: ChildCall, gemm_mode: bool) -> bool:

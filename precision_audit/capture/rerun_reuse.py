@@ -40,6 +40,7 @@ _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_
                  "_global_backward_hooks")
 _PLAIN = (bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.Size, slice, type(Ellipsis))
 _TENSOR = object()  # a tensor's place in a call's key
+_MISSING = object()
 
 
 class _NotPlain(Exception):
@@ -100,16 +101,28 @@ def replayable_module(child: torch.nn.Module, own_hook: Callable[[Any], bool]) -
     return True
 
 
-def child_call(child: torch.nn.Module, args: tuple, kwargs: dict, rng: Any,
-               attributes: list[tuple[torch.nn.Module, dict[str, Any]]], parent_tensors: tuple[torch.Tensor, ...],
-               parent_region: bool, own_hook: Callable[[Any], bool]) -> ChildCall | None:
+Attributes = list[tuple[torch.nn.Module, dict[str, Any]]]  # capture/model_state.py, module_attributes
+
+
+def same_attributes(before: Attributes, after: Attributes) -> bool:
+    """Whether a call left the attributes of every module inside its module as they were (the same objects): a call
+    that rebinds one (a call counter) cannot be replaced by its outputs, which would leave its change undone."""
+    return len(before) == len(after) and all(
+        m is n and a.keys() == b.keys() and all(b[k] is v for k, v in a.items())
+        for (m, a), (n, b) in zip(before, after))
+
+
+def child_call(child: torch.nn.Module, args: tuple, kwargs: dict, rng: Any, attributes: Attributes,
+               after: Attributes, parent_tensors: tuple[torch.Tensor, ...], parent_region: bool,
+               own_hook: Callable[[Any], bool]) -> ChildCall | None:
     """A record of this call of ``child`` for its parent's re-runs, or None where they could not take its outputs
     (module docstring): an argument that is not one of the parent call's tensors (``parent_tensors``) or a plain
-    value, another autocast region than the parent's (``parent_region`` False), a module that is not replayable.
-    ``rng`` and ``attributes``: the random state and the attributes before the FP32 call."""
+    value, another autocast region than the parent's (``parent_region`` False), attributes the call rebound, a
+    module that is not replayable. ``rng``, ``attributes`` and ``after``: the random state and the attributes
+    before the FP32 call, and the attributes after it."""
     tensors: list[torch.Tensor] = []
     key = call_key(args, kwargs, tensors)
-    if key is None or not parent_region:
+    if key is None or not parent_region or not same_attributes(attributes, after):
         return None
     ids = {id(t) for t in parent_tensors}
     if not all(id(t) in ids for t in tensors) or not replayable_module(child, own_hook):
@@ -135,7 +148,7 @@ class ChildCall:
     tensors: list[torch.Tensor]
     versions: list[int]
     rng: Any  # the session's RngState before the FP32 call
-    attributes: list[tuple[torch.nn.Module, dict[str, Any]]]
+    attributes: Attributes
     outputs: dict[Format, _Kept] = field(default_factory=dict)
 
     def keep(self, fmt: Format, out: Any, gemm_mode: bool) -> None:
@@ -157,7 +170,7 @@ class ChildCall:
             ignore = "forward" if mod is self.module else None  # the substitute itself, while it is in place
             if sum(k != ignore for k in d) != sum(k != ignore for k in attrs):
                 return False
-            if any(attrs.get(k, _TENSOR) is not v for k, v in d.items() if k != ignore):
+            if any(attrs.get(k, _MISSING) is not v for k, v in d.items() if k != ignore):
                 return False
         return True
 

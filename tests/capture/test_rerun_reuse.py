@@ -138,6 +138,34 @@ class BusyNet(nn.Module):
         return self.head(self.busy(self.inp(x)))
 
 
+class Counter(nn.Module):
+    """Counts its calls in a plain attribute its output depends on: a call that rebinds it cannot be replaced by
+    its outputs (the count would stay behind for the next call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.calls = linear("counter"), 0
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.fc(x) * self.calls
+
+
+class Twice(nn.Module):  # calls a stateful child twice on its own input
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = Counter()
+
+    def forward(self, x):
+        return torch.tanh(self.counter(x) - self.counter(x))
+
+
+class TwiceNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Twice()
+
+
 class CheckpointedAttention(Attention):  # as Hugging Face's gradient checkpointing asks (reentrant; the audit's is not)
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
@@ -150,8 +178,8 @@ class CheckpointedNet(Net):
 
 
 @pytest.mark.parametrize(("model_cls", "cuda"), [(Net, False), (BusyNet, False), (CheckpointedNet, False),
-                                                 (BusyNet, True)],
-                         ids=["attention", "busy", "checkpointed", "busy-cuda-mode"])
+                                                 (TwiceNet, False), (BusyNet, True)],
+                         ids=["attention", "busy", "checkpointed", "stateful-child", "busy-cuda-mode"])
 def test_the_figures_are_the_same_bits_with_and_without_reuse(model_cls, cuda, monkeypatch):
     torch.manual_seed(0)
     model, x = model_cls().train(), torch.randn(2, 8, 16)
@@ -204,10 +232,10 @@ def test_substituting_puts_each_forward_back_when_the_rerun_raises():
     plain, wrapped, x = linear("plain"), linear("wrapped"), torch.randn(3, 16)
     own = wrapped.forward  # a forward of the instance's own (as accelerate's hooks set), put back as it was
     wrapped.forward = own
-    assert child_call(plain, (x,), {}, None, [], (x,), True, lambda h: False) is not None
-    assert child_call(wrapped, (x,), {}, None, [], (x,), True, lambda h: False) is None, \
+    assert child_call(plain, (x,), {}, None, [], [], (x,), True, lambda h: False) is not None
+    assert child_call(wrapped, (x,), {}, None, [], [], (x,), True, lambda h: False) is None, \
         "an instance's own forward may hold state: not replayable"
-    assert child_call(plain, (x,), {}, None, [], (), True, lambda h: False) is None, "not the parent's tensor"
+    assert child_call(plain, (x,), {}, None, [], [], (), True, lambda h: False) is None, "not the parent's tensor"
     calls = []
     for m in (plain, wrapped):  # kept by hand for both
         ts: list[torch.Tensor] = []
