@@ -11,7 +11,8 @@ replayed exactly: every tensor argument is one of the parent call's own tensor a
 parent's re-run hands its children again), the other arguments are plain values (no objects, nothing snapshotted
 or copied for the call), it runs in the parent's own autocast region, the child and every module inside it hold
 no buffers (a re-run swaps them for copies), no hooks but the session's, no compiled call, and only plain
-attributes (no object whose contents a call could change), and the re-run drew no random numbers. They are
+attributes (no object whose contents a call could change), which the call did not rebind, and the re-run drew
+no random numbers. They are
 handed to the parent's re-run in that format once (:func:`substituting`: the child's ``forward`` replaced on the
 instance for that re-run, put back in a ``finally``) when the call there matches: the same tensor objects at the
 same versions, equal plain values, the random state the FP32 call started from, the child's attributes as they
