@@ -12,12 +12,11 @@ parent's re-run hands its children again), the other arguments are plain values 
 or copied for the call), it runs in the parent's own autocast region, the child and every module inside it hold
 no buffers (a re-run swaps them for copies), no hooks but the session's, no compiled call, and only plain
 attributes (no object whose contents a call could change), which the call did not rebind, and the re-run drew
-no random numbers. They are
-handed to the parent's re-run in that format once (:func:`substituting`: the child's ``forward`` replaced on the
-instance for that re-run, put back in a ``finally``) when the call there matches: the same tensor objects at the
-same versions, equal plain values, the random state the FP32 call started from, the child's attributes as they
-were before it, the same fp32-fallback kernel mode, grad off, and the kept outputs unchanged. Anything else is
-computed as before. What the parent's re-run did not take is freed after it, and the rest at the parent's
+no random numbers. They are handed to the parent's re-run in that format once (:func:`substituting`: the child's
+``forward`` replaced on the instance for that re-run, put back in a ``finally``) when the call there matches: the
+same tensor objects at the same versions, equal plain values, the random state the FP32 call started from, the
+child's attributes as they were before it, the same fp32-fallback kernel mode, grad off, and the kept outputs
+unchanged. Anything else is computed as before. What the parent's re-run did not take is freed after it, and the rest at the parent's
 post-hook, whether it was re-run or not.
 """
 
