@@ -5,7 +5,8 @@ call it streams the output's magnitude histogram, keeps an FP32 clone of the out
 compare against, and re-runs the module alone in each format on its exact FP32 inputs (same RNG state, same
 random draws, buffers swapped for copies) for its *local* error; the difference y_p - y is kept in bf16 until
 the backward gives dL/dy, for the first-order loss impact <dL/dy, y_p - y>. Containers whose own work is only
-additions are not re-run (docs/memory.md, "Local re-runs"). The backward gives dL/dy and dL/dW histograms.
+additions are not re-run, and a parent's re-run takes its children's re-run outputs where the call is the same
+(capture/rerun_reuse.py; docs/memory.md, "Local re-runs"). The backward gives dL/dy and dL/dW histograms.
 
 :class:`ReferencePass` is a part of :class:`~precision_audit.capture.session.CaptureSession` (it shares the
 session's per-pass state); it holds no state of its own.
@@ -13,6 +14,7 @@ session's per-pass state); it holds no state of its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -32,6 +34,7 @@ from .model_state import module_attributes, put_attributes_back
 from .output_grads import autograd_nodes
 from .records import FormatLayerStats, LayerRecord, RunRecord, float_tensors
 from .reference_store import Kept
+from .rerun_reuse import ChildCall, ChildReruns, child_call, substituting
 from .session_state import RngState, SessionState
 from .shards import owned_part
 from .stats import ErrorStats, MagnitudeHistogram, dot64, nonfinite_where
@@ -65,6 +68,7 @@ class PreCall(NamedTuple):
     # the attributes of the module and every module inside it (references): a re-run starts from them (a call
     # counter the call itself bumped is put back first)
     attributes: list[tuple[torch.nn.Module, dict[str, Any]]]
+    tensors: tuple[torch.Tensor, ...] = ()  # the tensor arguments (a child's re-run outputs: capture/rerun_reuse.py)
 
 
 def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_start: int,
@@ -77,9 +81,10 @@ def pre_call(rng: RngState, m: torch.nn.Module, args: tuple, kwargs: dict, draw_
         # None: an argument that cannot be copied: not re-run if the call changes its input (IN_PLACE_NOTE)
         copied = copy_arguments((args, kwargs), clone_tensors=True)
         if copied is not None:
-            return PreCall(rng, copied, draw_start, [t._version for t in ts], True, user_region, module_attributes(m))
+            return PreCall(rng, copied, draw_start, [t._version for t in ts], True, user_region, module_attributes(m),
+                           tuple(ts))
     return PreCall(rng, snapshot_state(args, kwargs), draw_start, [t._version for t in ts], False, user_region,
-                   module_attributes(m))
+                   module_attributes(m), tuple(ts))
 
 
 @dataclass
@@ -118,6 +123,7 @@ class ReferencePass(SessionState):
     def _reference_pass(self) -> RunRecord:
         self._reset()
         self.state.batch_tensors, self.state.batch_call_records, self.state.grad_edges = {}, {}, []
+        self.state.child_reruns.clear()
         if not self.state.impacts_only:  # the format passes' snapshots of this pass's figures (format_pass.py)
             self.state.after_reference, self.state.pass_draw_mismatches = {}, {}
         self.state.phase = "ref"
@@ -151,6 +157,7 @@ class ReferencePass(SessionState):
                                     hint=hint) from e
         finally:
             self.state.phase = None
+            self.state.child_reruns.clear()
         if not self.state.impacts_only:
             self._param_grad_histograms()
         self.state.clone_cache.clear()
@@ -229,6 +236,8 @@ class ReferencePass(SessionState):
                 hit[1].output_consumers.setdefault(hit[2], set()).add(name)
 
     def _post_reference(self, m, rec: LayerRecord, args, kwargs, ys, own_ops: int, pre_rng, own_work: int) -> dict:
+        # the re-run outputs kept of the calls inside this one: taken off the pass, freed when this returns
+        children = self.state.child_reruns.take((id(m), len(self.calls.stack)))
         if self.state.impacts_only:
             # the repeat at the second order: no op tracker ran; the first pass's counts of the same call
             own_ops, own_work = self.state.call_ops.get((id(m), rec.calls), (own_ops, own_work))
@@ -267,7 +276,7 @@ class ReferencePass(SessionState):
                 return {}
             call = self._batch_call(args, kwargs, pre_rng)
             if call is None:
-                return self._local_rerun(m, rec, args, kwargs, ys, pre_rng)
+                return self._local_rerun(m, rec, args, kwargs, ys, pre_rng, children)
             self._defer_to_format_passes(m, rec, call, ys)
         return {}
 
@@ -297,19 +306,24 @@ class ReferencePass(SessionState):
             if y.requires_grad:
                 self.state.out_hooks.register(y, _keep_grad(call, i), functools.partial(self._grad_lost, rec, i))
 
-    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
+    def _local_rerun(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall,
+                     children: list[ChildCall] | None = None) -> dict[Format, list[Kept]]:
         """:meth:`_rerun_alone`, as the ranks run it (capture/ranks.py)."""
-        return self.ranks.local_rerun(rec, ys, lambda: self._rerun_alone(m, rec, args, kwargs, ys, pre))
+        return self.ranks.local_rerun(rec, ys, lambda: self._rerun_alone(m, rec, args, kwargs, ys, pre, children))
 
-    def _rerun_alone(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall) -> dict[Format, list[Kept]]:
+    def _rerun_alone(self, m, rec: LayerRecord, args, kwargs, ys, pre: PreCall,
+                     children: list[ChildCall] | None = None) -> dict[Format, list[Kept]]:
         """Re-run ``m`` alone in each format on its FP32 inputs. Returns y_p - y per format and output (kept in
-        bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>)."""
+        bf16 until the FP32 backward gives dL/dy for the first-order loss impact <dL/dy, y_p - y>). ``children``:
+        the re-run outputs of the calls inside this one, which its re-runs take instead of computing them again;
+        this call's own are kept for its parent's re-runs (capture/rerun_reuse.py)."""
         diffs: dict[Format, list[Kept]] = {}
         pre_rng, snapshot, draw_start = pre.rng, pre.snapshot, pre.draw_start
         self.calls.rerunning = True
         now = self._rng_state()
         buffer_names = [n for n, _ in m.named_buffers()]
         attributes = module_attributes(m)  # after the call: what the re-runs leave the module as
+        mine = self._child_call(m, args, kwargs, pre, now, attributes)
         try:
             for fmt in self.config.formats:
                 put_attributes_back(pre.attributes)  # before the call: what each re-run starts from
@@ -321,7 +335,8 @@ class ReferencePass(SessionState):
                     args, kwargs = copy_arguments(snapshot, clone_tensors=pre.copied) or snapshot
                 try:
                     try:
-                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.user_region)
+                        out = self._rerun_once(m, fmt, args, kwargs, buffer_names, draw_start, pre.user_region,
+                                               children)
                     except Exception as e:
                         if self._use_gemm_mode or not is_missing_low_precision_kernel(e):
                             raise
@@ -335,6 +350,8 @@ class ReferencePass(SessionState):
                 except Exception as e:  # the module fails under autocast: reported, not fatal
                     fs.local_note = f"not measured: the module raised under {fmt} autocast: {type(e).__name__}: {e}"
                     continue
+                if mine is not None and _same_rng(self._rng_state(), pre_rng):  # it drew no random numbers
+                    mine.keep(fmt, out, self._use_gemm_mode)
                 ps = float_tensors(out)
                 if len(ps) != len(ys) or any(p.shape != y.shape for p, y in zip(ps, ys)):
                     fs.local_note = "not measured: the re-run returned outputs of another structure"
@@ -357,7 +374,25 @@ class ReferencePass(SessionState):
             put_attributes_back(attributes)
             self._set_rng_state(now)
             self.calls.rerunning = False
+        if mine is not None:
+            self.state.child_reruns.add((self.calls.stack[-1], len(self.calls.stack) - 1), mine)
         return diffs
+
+    def _child_call(self, m, args, kwargs, pre: PreCall, after: RngState, attributes) -> ChildCall | None:
+        """This call's record for its parent's re-runs (capture/rerun_reuse.py), or None where they cannot take its
+        outputs: no parent that is re-run (the model itself), objects among its arguments, its FP32 call drew
+        random numbers (``after``: the state after it; ``attributes``: the modules' after it)."""
+        stack = self.calls.stack
+        if (not ChildReruns.enabled or not stack or stack[-1] in (id(m), id(self.model)) or pre.snapshot is not None
+                or pre.copied or not _same_rng(pre.rng, after)):
+            return None
+        parent: PreCall = self._pre_rng[-1]
+        return child_call(m, args, kwargs, pre.rng, pre.attributes, attributes, parent.tensors,
+                          parent.user_region == pre.user_region, lambda h: getattr(h, "__self__", None) is self)
+
+    def _same_child_state(self, call: ChildCall, gemm_mode: bool) -> bool:
+        """Whether a kept call's outputs hold now (capture/rerun_reuse.py): same kernel mode, same random state."""
+        return gemm_mode == self._use_gemm_mode and _same_rng(self._rng_state(), call.rng)
 
     def _batch_call_output(self, m, fmt: Format, call: BatchCall, refs: list[Kept] | None, args, kwargs,
                            pre: RngState | None, ys: list[torch.Tensor]) -> list[torch.Tensor] | str:
@@ -407,14 +442,16 @@ class ReferencePass(SessionState):
         return impacts
 
     def _rerun_once(self, m, fmt: Format, args, kwargs, buffer_names: list[str], draw_start: int = 0,
-                    user_region: UserRegion | None = None) -> Any:
+                    user_region: UserRegion | None = None, children: list[ChildCall] | None = None) -> Any:
         # Buffers are swapped for copies: a re-run must not move BatchNorm's running statistics, nor bump
         # the version of tensors the reference pass saved for its backward. The reference pass's op tracker
         # is switched off meanwhile: re-runs are not counted, and it costs a Python call per op. ``user_region``:
-        # the call ran inside the model's own autocast region, and so does its re-run.
+        # the call ran inside the model's own autocast region, and so does its re-run. ``children``: calls inside
+        # it whose re-run outputs in ``fmt`` it takes (capture/rerun_reuse.py).
         region = self._user_autocast.region(fmt is not Format.TF32, user_region)
+        reuse = substituting(children, fmt, self._same_child_state) if children else contextlib.nullcontext()
         with _disable_current_modes(), rounding_registry_paused(), torch.no_grad(), self._autocast(fmt), region, \
-                self._same_draws(fmt, draw_start):
+                self._same_draws(fmt, draw_start), reuse:
             if not buffer_names:
                 return m(*args, **kwargs)
             buffers = {n: b.detach().clone() for n, b in m.named_buffers() if b is not None}

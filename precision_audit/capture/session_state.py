@@ -27,6 +27,7 @@ from .output_grads import OutputGradHooks
 from .ranks import Ranks
 from .records import LayerRecord, RunRecord
 from .reference_store import Kept, ReferenceStore
+from .rerun_reuse import ChildReruns
 from .stats import ErrorStats, MagnitudeHistogram, RangeSummary
 from .user_autocast import UserAutocast
 
@@ -80,6 +81,9 @@ class PassState:
     # (weakly), so the FP16 loss scale can leave out dL/dL and count each gradient once (records.py)
     producers: dict[tuple[int, int], tuple[Any, LayerRecord, int]] = field(default_factory=dict)
     loss_ref: Any = None
+    # reference pass: the re-run outputs of calls inside each running call, for that call's re-runs
+    # (capture/rerun_reuse.py)
+    child_reruns: ChildReruns = field(default_factory=ChildReruns)
 
 
 @dataclass
@@ -124,6 +128,7 @@ class SessionState:
     _user_autocast: UserAutocast  # the model's own autocast regions (capture/user_autocast.py)
     _grad_lost: Callable[[LayerRecord, int], None]
     _stat_cache: dict[tuple, tuple[weakref.ref, Any]]
+    _pre_rng: list[Any]  # per call on the stack: its PreCall in the reference pass (capture/reference_pass.py)
 
     # the session's helpers (defined in capture/session.py)
     _reset: Callable[[], None]
