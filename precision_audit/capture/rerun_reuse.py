@@ -16,8 +16,8 @@ no random numbers. They are handed to the parent's re-run in that format once (:
 ``forward`` replaced on the instance for that re-run, put back in a ``finally``) when the call there matches: the
 same tensor objects at the same versions, equal plain values, the random state the FP32 call started from, the
 child's attributes as they were before it, the same fp32-fallback kernel mode, grad off, and the kept outputs
-unchanged. Anything else is computed as before. What the parent's re-run did not take is freed after it, and the rest at the parent's
-post-hook, whether it was re-run or not.
+unchanged. Anything else is computed as before. What the parent's re-run did not take is freed after it, and the
+rest at the parent's post-hook, whether it was re-run or not.
 """
 
 from __future__ import annotations
