@@ -102,7 +102,7 @@ def main() -> None:
     need = needed(json.loads(Path(args.audit).read_text()) if args.audit else None)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-c", LOAD, args.model, args.batch], capture_output=True, text=True, env=env,
-                       check=True)
+                       check=True, cwd=ROOT)  # in ROOT: `python -c` puts the working folder first on sys.path
     import_s, build_s, batch_s = map(float, p.stdout.split()[-3:])
 
     # the model, its batch and its loss as the audit resolves them (precision_audit/loading): a dict batch, a

@@ -242,10 +242,12 @@ def prepare(name: str, work: Path, batch_size: int | None = None) -> tuple[Path,
 
 def child(what: str, model_py: Path, sample: Path, out: Path, prof: str = "", extra: dict | None = None,
           device: str = "cpu") -> dict:
+    # run in ROOT: `python -c` puts the working folder first on sys.path, before PYTHONPATH, so a tree's children
+    # started from another checkout imported that checkout's precision_audit (before/after runs compared one tree)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     p = subprocess.run([sys.executable, "-c", CHILD, what, str(model_py), str(sample), str(out), prof,
-                        json.dumps(extra or {}), device], capture_output=True, text=True, env=env)
+                        json.dumps(extra or {}), device], capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{what} child failed:\n{p.stderr[-3000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -318,7 +320,7 @@ def main() -> None:
         for name in names:
             model_py, sample = prepare(name, Path(tmp), args.batch)
             step = child("step", model_py, sample, Path(tmp) / name / "o", device=args.device)
-            prof = str(Path(args.profile) / f"{name}.prof") if args.profile else ""
+            prof = str(Path(args.profile).resolve() / f"{name}.prof") if args.profile else ""
             audit = child("audit", model_py, sample, Path(tmp) / name / "out", prof, extra, args.device)
             p1 = (audit["audit_s"] - audit["load_s"]) / step["step_s"]  # issue 33: after loading
             p1_with = audit["audit_s"] / step["step_s"]
