@@ -36,10 +36,15 @@ def test_copy_equals_deepcopy_and_shares_no_mutable_part():
         assert fs == filled() or fs == FormatLayerStats()
 
 
-def test_a_field_of_another_kind_is_deep_copied(monkeypatch):
-    fs = filled()
-    fs.__dict__["extra"] = [[1], [2]]  # as a later field holding nested lists would
-    monkeypatch.setattr(dataclasses, "fields", lambda obj, _f=dataclasses.fields: (
-        *_f(obj), *([type("F", (), {"name": "extra"})()] if obj is fs else [])))
+@dataclasses.dataclass
+class _Extended(FormatLayerStats):
+    """The record as a later field holding nested lists would make it."""
+
+    extra: list = dataclasses.field(default_factory=lambda: [[1], [2]])
+
+
+def test_a_field_of_another_kind_is_deep_copied():
+    fs = _Extended(**{f.name: getattr(filled(), f.name) for f in dataclasses.fields(FormatLayerStats)})
     c = copy_stats(fs)
+    assert c == copy.deepcopy(fs)
     assert c.extra == fs.extra and c.extra is not fs.extra and c.extra[0] is not fs.extra[0]
