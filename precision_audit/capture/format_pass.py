@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import time
 from typing import Any
 
@@ -35,10 +34,15 @@ from .stats import ErrorStats, count_nonfinite_pairs, nonfinite_where, stored_va
 _SCALARS = (int, float, str, bool, type(None))
 
 
-@functools.cache
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _field_names(cls: type) -> tuple[str, ...]:
     """A dataclass's field names (``dataclasses.fields`` builds them anew on every call: ~3000 calls an audit)."""
-    return tuple(f.name for f in dataclasses.fields(cls))
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 def copy_stats(fs: FormatLayerStats) -> FormatLayerStats:
