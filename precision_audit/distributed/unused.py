@@ -20,7 +20,9 @@ then nothing is left out (as before).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,11 +31,49 @@ import torch.distributed as dist
 from .. import host_rng
 from ..errors import ModelRunError
 
+log = logging.getLogger(__name__)
 
-def reached_parameters(loss: torch.Tensor) -> set[int] | None:
-    """The ids of the leaf tensors ``loss``'s autograd graph accumulates gradients into; None when the graph holds
-    a reentrant checkpoint (its forward ran without recording, so the parameters inside are not in the graph)."""
-    reached: set[int] = set()
+
+def _memory(t: torch.Tensor) -> tuple | None:
+    """Where a tensor's values live: device, dtype, address, shape and strides (None for one without memory)."""
+    if t.is_meta or not t.numel():
+        return None
+    ptr = t.data_ptr()
+    return (t.device, t.dtype, ptr, tuple(t.shape), tuple(t.stride())) if ptr else None
+
+
+@dataclass
+class Reached:
+    """The leaves a loss's graph accumulates gradients into, by Python object and by memory: on torch 2.11 with CUDA
+    (an H200, 2026-11-28) ``AccumulateGrad.variable`` gave other Python objects than the model's parameters, so
+    that matching by ``id`` alone found none reached and DDP refused a model it thought had nothing to train
+    (docs/distributed.md, "Parameters no loss reaches")."""
+
+    ids: set[int] = field(default_factory=set)
+    memory: set[tuple] = field(default_factory=set)
+
+    def add(self, t: torch.Tensor) -> None:
+        self.ids.add(id(t))
+        key = _memory(t)
+        if key is not None:
+            self.memory.add(key)
+
+    def __contains__(self, t: object) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        if id(t) in self.ids:
+            return True
+        key = _memory(t)
+        return key is not None and key in self.memory
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def reached_parameters(loss: torch.Tensor) -> Reached | None:
+    """The leaf tensors ``loss``'s autograd graph accumulates gradients into; None when the graph holds a reentrant
+    checkpoint (its forward ran without recording, so the parameters inside are not in the graph)."""
+    reached = Reached()
     seen: set[int] = set()
     stack = [loss.grad_fn]
     while stack:
@@ -45,7 +85,7 @@ def reached_parameters(loss: torch.Tensor) -> set[int] | None:
             return None
         variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
         if isinstance(variable, torch.Tensor):
-            reached.add(id(variable))
+            reached.add(variable)
         stack.extend(fn for fn, _ in node.next_functions)
     return reached
 
@@ -86,12 +126,22 @@ def unused_parameters(model: torch.nn.Module, source: Any, batch: Any, device: s
             loss = resolve_loss(source, out, batch)(out, batch)
             reached = reached_parameters(loss) if loss.requires_grad else None
             del out, loss
+            # matched while the parameters are where the forward used them (a model moved for this forward only
+            # is put back after it)
+            trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            unused = [n for n, p in trainable if reached is not None and p not in reached]
     except Exception as e:
         raised(e)
         return None
     if reached is None:
         return None
-    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in reached]
+    if trainable and len(unused) == len(trainable):
+        # the loss needs gradients yet reaches none of the parameters: not a model DDP could train, so rather a
+        # graph this walk cannot read; leave nothing out (DDP's own checks then apply, as before this check)
+        log.warning("the loss's autograd graph reaches %d leaf tensor(s) but none of the model's %d trainable "
+                    "parameters; no parameter is left out of DDP's reduction", len(reached), len(trainable))
+        return None
+    return unused
 
 
 def agreed_unused(model: torch.nn.Module, source: Any, batch: Any, device: str,

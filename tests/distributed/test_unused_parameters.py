@@ -5,6 +5,7 @@ prior iteration" and the plan fell back to FP32), and a parameter only some rank
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -76,11 +77,49 @@ def test_the_walk_finds_what_the_loss_reaches():
     x = torch.randn(2, 3)
     loss = b(a(x) + a.weight.sum()).sum()  # a used twice, c never
     reached = reached_parameters(loss)
-    assert reached == {id(a.weight), id(a.bias), id(b.weight), id(b.bias)}
-    assert id(c.weight) not in reached
+    assert [p in reached for p in (a.weight, a.bias, b.weight, b.bias, c.weight, c.bias)] == [True] * 4 + [False] * 2
+    assert len(reached) == 4
     # a reentrant checkpoint runs its forward unrecorded: its parameters are not in the graph, so no answer
     loss = cp.checkpoint(c, a(x).requires_grad_(), use_reentrant=True).sum()
     assert reached_parameters(loss) is None
+
+
+class _Node:
+    """A graph node as the walk reads it (``next_functions``; an AccumulateGrad's ``variable``)."""
+
+    def __init__(self, *after, variable=None):
+        self.next_functions = tuple((n, 0) for n in after)
+        if variable is not None:
+            self.variable = variable
+
+
+def test_a_leaf_given_back_as_another_python_object_is_still_its_parameter():
+    """On torch 2.11 with CUDA (an H200), ``AccumulateGrad.variable`` gave other Python objects than the model's
+    parameters: matched by id, every parameter looked unused, DDP was told to leave them all out and refused the
+    model ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires a
+    gradient"). Here the graph hands back views of the parameters: the same memory, other objects."""
+    a, c = nn.Linear(3, 3), nn.Linear(3, 3)
+    loss = SimpleNamespace(grad_fn=_Node(_Node(variable=a.weight.detach()), _Node(variable=a.bias.view(3))))
+    reached = reached_parameters(loss)
+    assert reached is not None
+    assert [p in reached for p in (a.weight, a.bias, c.weight, c.bias)] == [True, True, False, False]
+    assert a.weight.detach().t() not in reached, "another shape over the same memory is another tensor"
+
+
+def test_a_graph_reaching_no_parameter_leaves_none_out(monkeypatch):
+    """A loss that needs gradients but whose graph, as read, reaches none of the trainable parameters: nothing is
+    left out of DDP's reduction (leaving every parameter out is what DDP refuses)."""
+    from precision_audit.distributed import unused
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    source = SimpleNamespace(module=SimpleNamespace())
+    batch = SimpleNamespace(args=(torch.randn(3, 4),), kwargs={}, to=lambda device: batch)
+    monkeypatch.setattr("precision_audit.loading.resolve_loss", lambda source, out, batch: lambda o, b: o.sum())
+    got = unused.unused_parameters(model, source, batch, "cpu", raised=lambda e: (_ for _ in ()).throw(e))
+    assert got == []
+    stranger = torch.zeros(1, requires_grad=True)
+    monkeypatch.setattr(unused, "reached_parameters", lambda loss: unused.Reached({id(stranger)}, set()))
+    assert unused.unused_parameters(model, source, batch, "cpu", raised=lambda e: (_ for _ in ()).throw(e)) is None
 
 
 def test_an_unused_head_audits_across_ranks_as_in_one_process(tmp_path):
