@@ -87,13 +87,19 @@ def check_speedup(out: Path) -> list[dict]:
                 abs(ratio - 1) <= 0.2, f"target {a['target']['name']} ({a['target']['reason']})")]
 
 
-def check_dropout(out: Path) -> list[dict]:
+def check_dropout(out: Path, device: str = "cuda") -> list[dict]:
     from real_models import prepare
 
     from precision_audit.audit import AuditOptions, run_audit
+    from precision_audit.planning import second_order
 
+    # the audit measures the second order only for decisions near their threshold (issue 33; docs/plan.md, "Noise
+    # floor"), which a healthy GPT-2 has none of: every decision below its threshold is re-checked here, so that the
+    # bf16 pass runs at the second order and replays the reference's dropout masks there
+    second_order.near = lambda value, threshold, name=second_order.LOSS: (
+        value is not None and math.isfinite(value) and value <= threshold)
     model_py, sample = prepare("gpt2", out / "gpt2-b8", batch_size=8)
-    a = run_audit(AuditOptions(model=str(model_py), batch=str(sample), out=out / "dropout", device="cuda",
+    a = run_audit(AuditOptions(model=str(model_py), batch=str(sample), out=out / "dropout", device=device,
                                steps=0)).audit
     first = a["summary"]["bf16"]["output"]["rel_l2"]
     second = ((a.get("noise_floor") or {}).get("second_order") or {}).get("bf16", {}).get("output_rel_error")
@@ -102,7 +108,8 @@ def check_dropout(out: Path) -> list[dict]:
                     f"training={a['model']['training']}, first={first}, second={second}")]
     r = second / first
     return [row("dropout", f"{second:.3g} / {first:.3g} = {r:.2f}", "within 2x", 0.5 <= r <= 2.0,
-                f"GPT-2 in train mode, bf16 verdict: {a['summary']['bf16']['verdict']}")]
+                f"GPT-2 in train mode, bf16 verdict: {a['summary']['bf16']['verdict']}; every decision below its "
+                "threshold re-checked at the second order (forced)")]
 
 
 def check_tf32(out: Path) -> list[dict]:
