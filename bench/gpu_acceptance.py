@@ -156,9 +156,12 @@ def check_fp8(out: Path) -> list[dict]:
     try:
         for _ in range(20):
             opt.zero_grad(set_to_none=True)
+            # the loss inside the autocast region, as torch.amp's examples have it: the sample's F.mse_loss of a
+            # bf16 output and an fp32 target outside it fails in CUDA's backward ("Found dtype Float but expected
+            # BFloat16", every recipe alike on the H200, 2026-11-28; the CPU kernel promotes)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out_ = model(*batch.args, **batch.kwargs)
-            loss = resolve_loss(source, out_, batch)(out_, batch)
+                loss = resolve_loss(source, out_, batch)(out_, batch)
             loss.backward()
             opt.step()
             losses.append(float(loss))
