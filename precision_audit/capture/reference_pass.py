@@ -37,7 +37,7 @@ from .reference_store import Kept
 from .rerun_reuse import ChildCall, ChildReruns, child_call, substituting
 from .session_state import RngState, SessionState
 from .shards import owned_part
-from .stats import ErrorStats, MagnitudeHistogram, dot64, nonfinite_where
+from .stats import ErrorStats, MagnitudeHistogram, dot64, nonfinite_elements, nonfinite_where
 from .user_autocast import UserRegion
 
 CONTAINER_NOTE = ("not re-run: container (its own work is only additions; its children's local errors are "
@@ -186,16 +186,19 @@ class ReferencePass(SessionState):
 
     @staticmethod
     def _check_finite_reference(out: Any, loss: torch.Tensor, lval: float) -> None:
-        outs = float_tensors(out)
-        bad = sum(int((~torch.isfinite(y)).sum()) for y in outs)
         # Non-finite output values the loss does not use (its value is finite) are FP32's own, reported in
         # summary.fp32.nonfinite and left out of every comparison; a non-finite loss leaves nothing to compare.
-        if not torch.isfinite(loss.detach()).item():
-            raise NumericsError(
-                "the FP32 reference is already not finite, so there is nothing to compare low precision against",
-                found=f"loss = {lval}, {bad} non-finite output element(s)",
-                hint="fix the model or the batch in FP32 first (check for NaN weights or inputs, log of 0, ...)",
-            )
+        # Only then are the outputs' non-finite elements counted, for the message, a piece at a time: a count over a
+        # whole output (sum of a bool mask) makes an int64 copy of it on CUDA, 3.4 GiB on a GPT's logits, which set
+        # the audit's peak GPU memory (an H200, 2026-11-28; docs/memory.md, "Statistics' temporaries")
+        if torch.isfinite(loss.detach()).item():
+            return
+        bad = sum(nonfinite_elements(y) for y in float_tensors(out))
+        raise NumericsError(
+            "the FP32 reference is already not finite, so there is nothing to compare low precision against",
+            found=f"loss = {lval}, {bad} non-finite output element(s)",
+            hint="fix the model or the batch in FP32 first (check for NaN weights or inputs, log of 0, ...)",
+        )
 
     def _param_grad_histograms(self) -> None:
         """Parameter gradients, attributed to the module that owns each parameter."""

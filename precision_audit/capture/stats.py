@@ -166,6 +166,15 @@ def nonfinite_where(x: torch.Tensor) -> torch.Tensor:
     return (row[nz] * bad.shape[1] + inner).sort().values
 
 
+def nonfinite_elements(x: torch.Tensor) -> int:
+    """How many elements of ``x`` are inf or NaN, counted a block at a time (:func:`blocks`): a sum of one bool mask
+    over the whole tensor makes an int64 copy of it on CUDA (8 bytes an element)."""
+    x = x.detach()
+    if x.layout != torch.strided:
+        return int(nonfinite_where(x).numel())
+    return sum(int((~torch.isfinite(x[i] if i else x)).sum()) for i in blocks(x.shape))
+
+
 def surely_finite(x: torch.Tensor) -> bool:
     """True when no element of ``x`` (a strided floating-point tensor) is inf or NaN, False when one may be: the
     fused range pass counts them exactly (one read, no sum); elsewhere a finite sum says none (an inf or NaN would
