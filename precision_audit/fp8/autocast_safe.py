@@ -46,7 +46,8 @@ def keeps_a_gemm_in_high_precision(config) -> bool:
 
 def make_autocast_safe(model: torch.nn.Module, names) -> list[str]:
     """Swap the class of the torchao ``Float8Linear`` modules of ``model`` named in ``names`` to
-    :class:`AutocastSafeFloat8Linear`, in place; returns the names swapped (a module swapped before is kept)."""
+    :class:`AutocastSafeFloat8Linear`, in place; returns the names found (a module swapped before, or of another
+    ``Float8Linear`` subclass, is left as it is)."""
     wanted = frozenset(names)
     done = []
     for name, mod in model.named_modules(remove_duplicate=False):
