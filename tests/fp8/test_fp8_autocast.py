@@ -115,6 +115,32 @@ def test_outside_autocast_the_swapped_module_is_torchaos_bit_for_bit():
         assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "rowwise", "tensorwise"])
+def test_under_autocast_the_module_is_the_documented_rule_written_out(recipe):
+    """docs/fp8.md, "Runtime": torchao's module with autocast off on the input rounded to the autocast dtype and held
+    as FP32, its output rounded to the autocast dtype. gw_hp through apply_fp8, the others through the swap verify
+    gives every converted module in emulated mode (its behaviour before the class: the same rule as a wrapper)."""
+    from precision_audit.fp8.autocast_safe import make_autocast_safe
+
+    torch.manual_seed(0)
+    base = Net()
+    ours, theirs = _plain_torchao(copy.deepcopy(base), {"fc1"}, recipe), _plain_torchao(copy.deepcopy(base), {"fc1"},
+                                                                                       recipe)
+    assert make_autocast_safe(ours, ["fc1"]) == ["fc1"]
+    x, y = _batch()
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours.fc1(xs[0])
+        with torch.autocast("cpu", enabled=False):
+            want = theirs.fc1(xs[1].to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert out.dtype == want.dtype == torch.bfloat16 and torch.equal(out, want)
+    for o in (out, want):
+        F.mse_loss(o.float(), y.repeat(1, 4)).backward()
+    assert torch.equal(xs[0].grad, xs[1].grad)
+    assert torch.equal(ours.fc1.weight.grad, theirs.fc1.weight.grad)
+    assert torch.equal(ours.fc1.bias.grad, theirs.fc1.bias.grad)
+
+
 def test_only_recipes_that_keep_a_gemm_in_high_precision_are_swapped():
     from torchao.float8.config import CastConfig, ScalingType
 
