@@ -243,20 +243,13 @@ def _fp8_emulate(mode: str, device: str) -> bool:
 def _fp8_under_emulated_autocast(model: torch.nn.Module, names: list[str]) -> None:
     """Under CUDA autocast, torchao's Float8Linear casts its input to the autocast dtype, quantises it and the
     FP32 weight to FP8 and returns the autocast dtype. The audit's CPU emulation of CUDA autocast rounds every
-    GEMM operand through FP32, which torchao's FP8 tensors do not support; so in emulated mode each converted
-    module runs with autocast off on its input rounded to the autocast dtype, in FP32 from the dequantised FP8
-    operands (torchao's ``emulate``), and its output is rounded to the autocast dtype, as on the GPU."""
-    mods = dict(named_modules(model))
-    for name in names:
-        m = mods[name]
+    GEMM operand through FP32, which torchao's FP8 tensors do not support; so in emulated mode every converted
+    module runs autocast-safe (fp8/autocast_safe.py, as the runtime runs a recipe that keeps a GEMM in high
+    precision): with autocast off on its input rounded to the autocast dtype, in FP32 from the dequantised FP8
+    operands (torchao's ``emulate``), its output rounded to the autocast dtype, as on the GPU."""
+    from .fp8.autocast_safe import make_autocast_safe
 
-        def forward(x: torch.Tensor, _inner=m.forward) -> torch.Tensor:
-            if not torch.is_autocast_enabled("cpu"):
-                return _inner(x)
-            dtype = torch.get_autocast_dtype("cpu")
-            with torch.autocast("cpu", enabled=False):
-                return _inner(x.to(dtype).float()).to(dtype)
-        m.forward = forward
+    make_autocast_safe(model, names)
 
 
 def check_runtime_formats(policy: Policy) -> None:

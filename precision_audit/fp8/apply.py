@@ -2,7 +2,8 @@
 
 ``convert_to_float8_training`` is called once per recipe the plan uses, each time with a ``module_filter_fn``
 that accepts exactly the modules planned for that recipe, so each module gets its own recipe's
-``Float8LinearConfig``. Recipes torchao 0.18 has no dense-linear training path for (Transformer Engine's
+``Float8LinearConfig``; a config that keeps a GEMM in high precision makes its modules autocast-safe
+(fp8/autocast_safe.py). Recipes torchao 0.18 has no dense-linear training path for (Transformer Engine's
 delayed scaling, MXFP8 and NVFP4 linears) are refused with a message saying so, before anything is changed.
 """
 
@@ -97,4 +98,15 @@ def apply_fp8(model: torch.nn.Module, plan: Fp8Plan | dict[str, str] | Any, *,
         convert(model, module_filter_fn=only, config=cfg)
         converted += sorted(names)
         log.info("converted %d module(s) to FP8 (%s, emulate=%s)", len(names), recipe, emulate)
+        _autocast_safe_if_needed(model, names, cfg, recipe)
     return sorted(converted)
+
+
+def _autocast_safe_if_needed(model: torch.nn.Module, names: set[str], cfg, recipe: str) -> None:
+    """A config that keeps a GEMM in high precision (a cast config ``ScalingType.DISABLED``) fails under autocast in
+    torchao 0.18: its modules become autocast-safe (fp8/autocast_safe.py; docs/fp8.md, "Runtime")."""
+    from .autocast_safe import keeps_a_gemm_in_high_precision, make_autocast_safe
+
+    if keeps_a_gemm_in_high_precision(cfg):
+        make_autocast_safe(model, names)
+        log.info("%s keeps a GEMM in high precision: its %d module(s) run autocast-safe", recipe, len(names))

@@ -150,7 +150,10 @@ def test_hostile_names_stay_data(tmp_path, capsys):
     tree = ast.parse(py)
     assigns = [n for n in tree.body if isinstance(n, ast.Assign)]
     assert ast.literal_eval(assigns[0].value) == {HOSTILE: "tensorwise"}
-    assert sum(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body) == 2  # nothing added
+    imported = sorted(ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    assert imported == ["from torchao.float8 import Float8LinearConfig, convert_to_float8_training",  # nothing added
+                        "from torchao.float8.config import CastConfig, ScalingType",
+                        "from torchao.float8.float8_linear import Float8Linear", "import dataclasses", "import torch"]
     titan = export_policy(pol, "torchtitan").text
     tree = ast.parse(titan)
     assert sum(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree)) == 1  # only torchtitan's
