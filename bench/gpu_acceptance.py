@@ -19,6 +19,9 @@ figure that calibrates rather than passes (or was not measured). Checks (docs/gp
   written (exit 0 or 1);
 - ``audit-time``: from bench/real_models.py's JSON for GPT-2 at batch 32: the audit after loading against 3 s + 15
   FP32 training steps; and the loading stage against a plain import + build + batch load (DESIGN 6c: at most 1.1x);
+- ``runtime``: bench/runtime_overhead.py on the GPU, the paired median ratio of the policy's step to the
+  hand-written one with the same guarantees (issue 33, decision 3), on the launch-bound 512-wide probe (goal at most
+  1.10x) and on the 4096-wide one that fills the GPU (at most 1.03x);
 - ``calibration``: the achieved share of the peak of the GPT's GEMMs in bf16 and fp32, and of the bandwidth by a
   copy, beside analysis/cost.py's constants (no goal: the figures to calibrate them with).
 """
@@ -40,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-CHECKS = ("nccl", "dropout", "tf32", "fp8", "audit-time", "speedup", "calibration")
+CHECKS = ("nccl", "dropout", "tf32", "fp8", "audit-time", "speedup", "runtime", "calibration")
 #: the steps the table lists when nothing was measured (--dry-run), in the order the script runs them
 STEPS = (("nccl", "1-GPU --nproc 1 audit on NCCL", "audit written (exit 0 or 1)"),
          ("dropout", "train-mode GPT-2 (dropout 0.1): bf16 output error, 2nd order / 1st", "within 2x"),
@@ -49,6 +52,8 @@ STEPS = (("nccl", "1-GPU --nproc 1 audit on NCCL", "audit written (exit 0 or 1)"
          ("audit-time", "GPT-2 batch 32: audit after loading", "<= 3 s + 15 FP32 steps"),
          ("loading", "GPT-2: audit's loading / plain import+build+load", "<= 1.1x"),
          ("speedup", "GPT 12x1024: BF16/FP32 predicted / measured", "within 20%"),
+         ("runtime", "apply_policy + controller.step / the step by hand, same guarantees",
+          "<= 1.03x 4096 wide, <= 1.10x 512 wide"),
          ("calibration", "achieved shares of peak (GEMMs, bandwidth)", "(calibrates analysis/cost.py)"),
          ("gpu_tests", "python -m pytest -m gpu tests/gpu", "all pass"))
 
@@ -221,6 +226,35 @@ def check_audit_time(out: Path, real_models_json: Path) -> list[dict]:
     return out_rows
 
 
+#: the runtime probes: (environment, repeats, goal)
+RUNTIME_PROBES = (({}, 100, 1.10), ({"PA_WIDTH": "4096", "PA_BATCH": "8192"}, 30, 1.03))
+
+
+def runtime_ratio(text: str) -> tuple[float, str] | None:
+    """The paired median ratio and its interval from bench/runtime_overhead.py's output, None when absent."""
+    for line in text.splitlines():
+        if line.startswith("apply_policy + controller.step / baseline, paired per round: median "):
+            rest = line.split("median ", 1)[1]
+            return float(rest.split("x", 1)[0]), rest.split(", ", 1)[1] if ", " in rest else ""
+    return None
+
+
+def check_runtime(out: Path) -> list[dict]:
+    rows = []
+    for env, repeats, goal in RUNTIME_PROBES:
+        width = env.get("PA_WIDTH", "512")
+        p = subprocess.run([sys.executable, str(ROOT / "bench/runtime_overhead.py"), "--device", "cuda", "--repeats",
+                            str(repeats)], capture_output=True, text=True, env={**os.environ, **env})
+        got = runtime_ratio(p.stdout)
+        if got is None:
+            rows.append(row("runtime", f"{width} wide: failed, exit {p.returncode}", f"<= {goal:.2f}x", False,
+                            (p.stderr or p.stdout).strip()[-300:]))
+            continue
+        ratio, spread = got
+        rows.append(row("runtime", f"{width} wide: {ratio:.3f}x", f"<= {goal:.2f}x", ratio <= goal, spread))
+    return rows
+
+
 def _share_of_gemm(m: int, n: int, k: int, dtype, peak_tflops: float) -> float:
     from precision_audit.analysis.gemm_bench import time_gemm
 
@@ -307,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = check_audit_time(out, Path(a.real_models_json))
     else:
         rows = {"speedup": check_speedup, "dropout": check_dropout, "tf32": check_tf32, "fp8": check_fp8,
-                "nccl": check_nccl, "calibration": check_calibration}[a.check](out)
+                "nccl": check_nccl, "runtime": check_runtime, "calibration": check_calibration}[a.check](out)
     for r in rows:
         r["note"] = (r["note"] + "; " if r["note"] else "") + f"{time.perf_counter() - t0:.0f} s"
     text = "".join(json.dumps(r) + "\n" for r in rows)

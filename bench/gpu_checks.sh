@@ -88,6 +88,7 @@ else
   row loading "not measured: bench/real_models.py wrote no figures" false
 fi
 check speedup 120
+check runtime 120
 check calibration 45
 run gpu_tests 240 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rA
 if [ -f "$out/gpu_tests.log" ] && ! grep -q '"step": "gpu_tests"' "$results"; then

@@ -53,3 +53,15 @@ def test_the_session_script_parses_and_the_checks_find_python3_alone(tmp_path):
                        env=env)
     assert p.returncode == 0, p.stderr
     assert p.stdout.rstrip().endswith(f"0 passed, 0 failed, {len(ga.STEPS)} without a verdict")
+
+
+def test_the_runtime_row_reads_the_paired_ratio_of_runtime_overhead():
+    """The line bench/runtime_overhead.py printed on the H200 (2026-11-28), and one without it."""
+    text = ("step                                    median ms   ratio\n"
+            "apply_policy + controller.step              7.886  1.080x\n"
+            "apply_policy + controller.step / baseline, paired per round: median 1.080x, 95% CI of the median "
+            "1.064-1.105x, quartiles 1.019-1.174x\n")
+    ratio, spread = ga.runtime_ratio(text)
+    assert ratio == 1.080 and spread.startswith("95% CI of the median 1.064-1.105x")
+    assert ga.runtime_ratio("Traceback (most recent call last):\n") is None
+    assert [goal for _, _, goal in ga.RUNTIME_PROBES] == [1.10, 1.03]  # issue 33: 512 wide, 4096 wide
