@@ -29,7 +29,7 @@ import torch
 from .. import host_rng
 from ..capture import ModelState
 from ..capture.records import float_tensors
-from ..capture.stats import ErrorStats
+from ..capture.stats import CHUNK, ErrorStats
 from ..model_names import named_modules
 from ..record.fp8 import Fp8, Fp8Budget, Fp8Layer, Fp8LayerRecipe, Fp8Metrics, Fp8RecipeInfo
 from .linear import Fp8State, OperandStats, fp8_linear, metrics_record, patched
@@ -49,8 +49,18 @@ class TokenError:
     worst: float = 0.0
 
     def update(self, ref: torch.Tensor, p: torch.Tensor) -> None:
-        r = ref.detach().double().reshape(-1, ref.shape[-1]) if ref.dim() else ref.detach().double().reshape(1, 1)
-        q = p.detach().double().reshape(r.shape)
+        """Rows a block at a time (at most :data:`~precision_audit.capture.stats.CHUNK` elements: its float64
+        temporaries are ~40 bytes an element, which over a language model's logits set a GPU's peak); a tensor of one
+        block is read as a whole, as before."""
+        r_all = ref.detach().reshape(-1, ref.shape[-1]) if ref.dim() else ref.detach().reshape(1, 1)
+        q_all = p.detach().reshape(r_all.shape)
+        step = max(1, CHUNK // max(1, r_all.shape[1]))
+        for i in range(0, r_all.shape[0], step):
+            self._update_rows(r_all[i:i + step], q_all[i:i + step])
+
+    def _update_rows(self, ref: torch.Tensor, p: torch.Tensor) -> None:
+        r = ref.double()
+        q = p.double()
         n2 = (r * r).sum(-1)
         d2 = ((q - r) ** 2).sum(-1)
         keep = (n2 > 0) & torch.isfinite(n2)
