@@ -29,7 +29,7 @@ from ..capture import noise as _noise
 from ..capture.calls import CallStack
 from ..capture.ranks import GradHook, MakeGradHook, Ranks, tensor_key
 from ..capture.reference_pass import LOSS_SOURCE
-from ..capture.stats import ErrorStats, dot64
+from ..capture.stats import ErrorStats, blocks, dot64
 from ..formats import Format
 from . import reduce as R
 from . import saved as saved_copies
@@ -42,6 +42,24 @@ ModelRaised = Callable[[BaseException, str, "str | None"], None]
 _AGREED = "_precision_audit_agreed"
 T = TypeVar("T")
 
+
+
+def value_signature(t: torch.Tensor) -> list[float]:
+    """What the ranks compare to tell whether ``t`` holds the same values on each: its size, and in float64 the sum,
+    the sum of squares and the sum weighted by position (1-based, row-major) of its finite elements, and how many
+    are not finite. Made a block at a time (capture/stats.py's :func:`blocks`), summed on the device and read once:
+    over a whole module output the float64 copies were ~50 bytes an element (a GPT's logits at batch 32 would have
+    asked ~20 GB of a GPU; docs/distributed.md, "Memory per rank")."""
+    x = t.detach().reshape(-1)
+    acc = torch.zeros(4, dtype=torch.float64, device=x.device)
+    for i in blocks(x.shape):
+        b = (x[i] if i else x).to(torch.float64)
+        start = i[0].start if i else 0
+        ok = torch.isfinite(b)
+        f = torch.where(ok, b, 0.0)
+        idx = torch.arange(start + 1, start + b.numel() + 1, dtype=torch.float64, device=b.device)
+        acc += torch.stack([f.sum(), (f * f).sum(), (f * idx).sum(), (~ok).sum(dtype=torch.float64)])
+    return [float(x.numel()), *acc.cpu().tolist()]
 
 class _GlobalLoss(torch.autograd.Function):
     """Forward: the sum over ranks of the (weighted) local losses. Backward: the gradient passes through
@@ -170,13 +188,7 @@ class RankReductions(Ranks):
         hit = self._same_everywhere.get(key)
         if hit is not None and hit[0]() is t:
             return hit[1]
-        x = t.detach().reshape(-1).to(torch.float64)
-        finite = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
-        idx = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device)
-        sig = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
-                           finite.sum(), (finite * finite).sum(), (finite * idx).sum(),
-                           (~torch.isfinite(x)).sum().to(torch.float64)]).cpu()
-        hi, lo = self.lockstep.check(label, sig.tolist())
+        hi, lo = self.lockstep.check(label, value_signature(t))
         same = hi == lo and hi[2] > 0
         self._same_everywhere[key] = (weakref.ref(t), same)
         return same
