@@ -7,25 +7,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_probes import LargestOutput
 
 from precision_audit.capture.stats import CHUNK
 from precision_audit.distributed.session import value_signature
-
-
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func._schema.is_mutable or func.is_view:
-            return out
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor):
-                self.largest = max(self.largest, o.numel() * o.element_size())
-        return out
 
 
 def test_a_hand_made_signature():
@@ -44,7 +29,7 @@ def test_blocks_give_the_whole_tensors_figures_and_no_float64_copy_of_it():
     pos = torch.arange(1, n + 1, dtype=torch.float64)
     want = [float(n), float(finite.sum()), float((finite * finite).sum()), float((finite * pos).sum()), 2.0]
     shaped = x.view(2, -1)  # a module output of two rows
-    with _Largest() as seen:
+    with LargestOutput() as seen:
         got = value_signature(shaped)
     assert got == want
     assert seen.largest <= CHUNK * 8, f"an op made {seen.largest} bytes: a float64 copy larger than a block"

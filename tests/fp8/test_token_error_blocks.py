@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_probes import LargestOutput
 
 from precision_audit.capture.stats import CHUNK
 from precision_audit.fp8.measure import TokenError
@@ -22,18 +22,6 @@ def _whole(r: torch.Tensor, p: torch.Tensor) -> tuple[int, float, float]:
     return int(keep.sum()), float(rel2.sum()), float(rel2.max().sqrt())
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view and isinstance(out, torch.Tensor):
-            self.largest = max(self.largest, out.numel() * out.element_size())
-        return out
-
-
 def test_blocks_of_rows_give_the_whole_tensors_figures():
     g = torch.Generator().manual_seed(0)
     r = torch.randn(5, 1000, 1000, generator=g)  # 5000 rows of 1000: three blocks of CHUNK // 1000 rows
@@ -41,7 +29,7 @@ def test_blocks_of_rows_give_the_whole_tensors_figures():
     r[0, 5] = 0.0  # a row left out
     rows, total, worst = _whole(r, p)
     e = TokenError()
-    with _Largest() as seen:
+    with LargestOutput() as seen:
         e.update(r, p)
     assert (e.rows, e.worst) == (rows, worst) and rows == 4999
     assert math.isclose(e.sum_rel2, total, rel_tol=1e-12)
