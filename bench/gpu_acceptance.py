@@ -14,7 +14,8 @@ figure that calibrates rather than passes (or was not measured). Checks (docs/gp
   second reduction order (the noise floor) against the first; goal: within 2x;
 - ``tf32``: bench/tf32_backward_check.py on the GPU: a tf32 policy's backward under TF32, an fp32 module's not;
 - ``fp8``: the FP8 plan of sample_models/fp8_outliers applied with real kernels (emulate=False, compute
-  capability >= 8.9: ``torch._scaled_mm`` counted) and trained 20 steps; goal: the kernels ran, every loss finite;
+  capability >= 8.9: ``torch._scaled_mm`` counted) and trained 20 steps, then each torchao recipe on every
+  16-aligned linear, 5 steps (a row each); goal: the kernels ran, every loss finite;
 - ``nccl``: ``precision-audit --nproc 1 --device cuda`` (one rank, NCCL) on sample_models/mlp; goal: the audit
   written (exit 0 or 1);
 - ``audit-time``: from bench/real_models.py's JSON for GPT-2 at batch 32: the audit after loading against 3 s + 15
@@ -128,22 +129,16 @@ def check_tf32(out: Path) -> list[dict]:
                 "tf32 on, fp32 off", r["pass"])]
 
 
-def check_fp8(out: Path) -> list[dict]:
+def _train_fp8(src: Path, plan, steps: int) -> tuple[list[str], int, list[float]]:
+    """``plan`` applied with real kernels to a fresh copy of the sample, trained ``steps`` steps under CUDA bf16
+    autocast: (converted modules, torch._scaled_mm calls, losses)."""
     import copy
 
     import torch
 
-    from precision_audit.audit import AuditOptions, run_audit
     from precision_audit.fp8.apply import apply_fp8
     from precision_audit.loading import load_batch, load_model, resolve_loss
 
-    cc = torch.cuda.get_device_capability()
-    goal = "_scaled_mm ran, losses finite"
-    if cc < (8, 9):
-        return [row("fp8", "not measured", goal, None, f"compute capability {cc[0]}.{cc[1]} has no FP8 kernels")]
-    src = ROOT / "sample_models/fp8_outliers/model.py"
-    res = run_audit(AuditOptions(model=str(src), out=out / "fp8", device="cuda", steps=0,
-                                 formats="fp16,bf16,fp8_e4m3"))
     model, source = load_model(str(src))
     model = copy.deepcopy(model).cuda()
     batch = load_batch(None, model, source).to("cuda")
@@ -154,12 +149,12 @@ def check_fp8(out: Path) -> list[dict]:
         calls[0] += 1
         return real(*a, **k)
 
-    converted = apply_fp8(model, res.policy, emulate=None)  # None: real kernels on cc >= 8.9 (fp8/apply.py)
+    converted = apply_fp8(model, plan(model) if callable(plan) else plan, emulate=None)  # real kernels: fp8/apply.py
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     torch._scaled_mm = counting
     try:
-        for _ in range(20):
+        for _ in range(steps):
             opt.zero_grad(set_to_none=True)
             # the loss inside the autocast region, as torch.amp's examples have it: the sample's F.mse_loss of a
             # bf16 output and an fp32 target outside it fails in CUDA's backward ("Found dtype Float but expected
@@ -172,9 +167,41 @@ def check_fp8(out: Path) -> list[dict]:
             losses.append(float(loss))
     finally:
         torch._scaled_mm = real
-    ok = calls[0] > 0 and all(math.isfinite(v) for v in losses) and bool(converted)
-    return [row("fp8", f"{len(converted)} FP8 module(s), {calls[0]} _scaled_mm calls, loss {losses[0]:.4g} -> "
-                       f"{losses[-1]:.4g}", goal, ok, f"modules {converted}")]
+    return converted, calls[0], losses
+
+
+def check_fp8(out: Path) -> list[dict]:
+    """The audit's FP8 plan trained 20 steps, then every torchao recipe on every 16-aligned linear, 5 steps each
+    (under CUDA autocast torchao casts the input itself: docs/fp8.md, "Runtime")."""
+    import torch
+
+    from precision_audit.audit import AuditOptions, run_audit
+
+    cc = torch.cuda.get_device_capability()
+    goal = "_scaled_mm ran, losses finite"
+    if cc < (8, 9):
+        return [row("fp8", "not measured", goal, None, f"compute capability {cc[0]}.{cc[1]} has no FP8 kernels")]
+    src = ROOT / "sample_models/fp8_outliers/model.py"
+    res = run_audit(AuditOptions(model=str(src), out=out / "fp8", device="cuda", steps=0,
+                                 formats="fp16,bf16,fp8_e4m3"))
+    rows = []
+
+    def every(recipe):
+        return lambda model: {n: recipe for n, m in model.named_modules() if type(m) is torch.nn.Linear
+                              and not m.in_features % 16 and not m.out_features % 16}
+
+    runs = [("the audit's plan", res.policy, 20)] + [
+        (recipe, every(recipe), 5) for recipe in ("fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp")]
+    for what, plan, steps in runs:
+        try:
+            converted, calls, losses = _train_fp8(src, plan, steps)
+        except Exception as e:  # one recipe failing is a row, not the end of the check
+            rows.append(row("fp8", f"{what}: failed", goal, False, f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
+        ok = calls > 0 and all(math.isfinite(v) for v in losses) and bool(converted)
+        rows.append(row("fp8", f"{what}: {len(converted)} FP8 module(s), {calls} _scaled_mm calls, loss "
+                               f"{losses[0]:.4g} -> {losses[-1]:.4g}", goal, ok, f"modules {converted}"))
+    return rows
 
 
 def check_nccl(out: Path) -> list[dict]:

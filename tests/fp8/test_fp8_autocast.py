@@ -115,6 +115,28 @@ def test_outside_autocast_the_swapped_module_is_torchaos_bit_for_bit():
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_under_an_autocast_torchao_reads_the_module_is_torchaos(monkeypatch):
+    """torchao 0.18 casts its input itself under CUDA's autocast only: there every high-precision pair agrees and
+    the swapped module defers to torchao, so that on a GPU the weight-gradient GEMM stays BF16 (as fp8/cost.py
+    prices it). Shown on the CPU by declaring its autocast one torchao reads: the forward is then torchao's, bit
+    for bit; left as shipped, the rule applies and the output differs."""
+    from precision_audit.fp8 import autocast_safe
+
+    assert autocast_safe.TORCHAO_READS_AUTOCAST == {"cuda"}
+    torch.manual_seed(0)
+    base = Net()
+    ours, theirs = copy.deepcopy(base), _plain_torchao(copy.deepcopy(base), {"fc1", "fc2"})
+    apply_fp8(ours, {"fc1": "fp8_rowwise_gw_hp", "fc2": "fp8_rowwise_gw_hp"}, emulate=True)
+    x, _ = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs_out = theirs(x)
+        ruled = ours(x)
+        monkeypatch.setattr(autocast_safe, "TORCHAO_READS_AUTOCAST", frozenset({"cuda", "cpu"}))
+        deferred = ours(x)
+    assert torch.equal(deferred, theirs_out)
+    assert not torch.equal(ruled, theirs_out)
+
+
 @pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "rowwise", "tensorwise"])
 def test_under_autocast_the_module_is_the_documented_rule_written_out(recipe):
     """docs/fp8.md, "Runtime": torchao's module with autocast off on the input rounded to the autocast dtype and held

@@ -148,8 +148,8 @@ def test_hostile_names_stay_data(tmp_path, capsys):
     pol = _policy(model, {HOSTILE: "fp8_tensorwise"})
     py = export_policy(pol, "torchao").text
     tree = ast.parse(py)
-    assigns = [n for n in tree.body if isinstance(n, ast.Assign)]
-    assert ast.literal_eval(assigns[0].value) == {HOSTILE: "tensorwise"}
+    assigns = {n.targets[0].id: n.value for n in tree.body if isinstance(n, ast.Assign)}
+    assert ast.literal_eval(assigns["FP8_MODULES"]) == {HOSTILE: "tensorwise"}
     imported = sorted(ast.unparse(n) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
     assert imported == ["from torchao.float8 import Float8LinearConfig, convert_to_float8_training",  # nothing added
                         "from torchao.float8.config import CastConfig, ScalingType",
